@@ -1,0 +1,108 @@
+"""``pdctl status``, ``pdctl tui`` and ``pdctl logs``: the operator's views of one installed box."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from appliance import constants as C
+
+EXIT_OK, EXIT_FAIL, EXIT_BAD = 0, 1, 2
+
+
+def _settings_value(config: Path, section: str, key: str) -> Optional[Any]:
+    """A value from pdctl.toml when that file exists (the TUI refresh and TTFT SLO live there)."""
+    if config.suffix != ".toml" or not config.exists():
+        return None
+    try:
+        from appliance.config import resolve
+        return resolve(config).get(section, key)
+    except Exception:  # noqa: BLE001 - a bad settings file is reported by `pdctl config show`, not here
+        return None
+
+
+def _plan(config: Path) -> Any:
+    from appliance.config import load_plan
+    return load_plan(config)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from appliance.collector import collect_once
+    from appliance.status import render_json, render_text
+    plan = _plan(args.config)
+    slo = _settings_value(args.config, "workload", "ttft_slo_s")
+    snap = collect_once(plan, settle_s=max(0.0, args.window), slo_ttft_s=slo, timeout_s=args.timeout)
+    sys.stdout.write(render_json(snap) + "\n" if args.json else render_text(snap))
+    return EXIT_OK if snap.overall == "ready" else EXIT_FAIL
+
+
+def cmd_tui(args: argparse.Namespace) -> int:
+    from appliance.collector import Collector
+    from tui.app import PdctlApp
+    plan = _plan(args.config)
+    refresh = args.refresh or _settings_value(args.config, "tui", "refresh_s") or 1.0
+    if refresh <= 0:
+        print(f"pdctl tui: --refresh must be > 0 (got {refresh})", file=sys.stderr)
+        return EXIT_BAD
+    slo = _settings_value(args.config, "workload", "ttft_slo_s")
+    collector = Collector(plan, interval=refresh, slo_ttft_s=slo).start()
+    try:
+        PdctlApp(collector, refresh=refresh, instances=[w.instance for w in plan.workers]).run()
+    finally:
+        collector.stop()
+    return EXIT_OK
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from appliance import journal
+    instances: list = []
+    try:
+        instances = [w.instance for w in _plan(args.config).workers]
+    except Exception:  # noqa: BLE001 - logs must work even when the plan is unreadable
+        instances = []
+    names = args.target or ["all"]
+    units = [journal.resolve_unit(n, instances) for n in names]
+    if units == [C.TARGET_UNIT]:
+        units = [C.KV_UNIT, C.PROXY_UNIT] + [C.worker_unit(i) for i in instances] if instances else \
+            [C.KV_UNIT, C.PROXY_UNIT, "pd-worker@*.service"]
+    try:
+        if args.follow:
+            for ln in journal.follow(units, since=args.since, lines=args.lines):
+                print(ln.render(), flush=True)
+            return EXIT_OK
+        lines, err = journal.read(units, since=args.since, lines=args.lines, priority=args.priority)
+    except ValueError as e:
+        print(f"pdctl logs: {e}", file=sys.stderr)
+        return EXIT_BAD
+    except KeyboardInterrupt:
+        return EXIT_OK
+    if err:
+        print(f"pdctl logs: {err}", file=sys.stderr)
+        return EXIT_FAIL
+    for ln in lines:
+        print(ln.render())
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="one-shot state of the box: roles, GPUs, KV hit rates, TTFT")
+    p.add_argument("--json", action="store_true", help="the Snapshot as JSON (NA values as {\"na\": reason})")
+    p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml or plan.json")
+    p.add_argument("--window", type=float, default=1.0, help="seconds between the two samples rates come from")
+    p.add_argument("--timeout", type=float, default=0.5, help="per-endpoint HTTP time-out (s)")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("tui", help="live dashboard (Textual); works at 80x24 over SSH")
+    p.add_argument("--refresh", type=float, default=None, help="seconds between refreshes (default: config, 1)")
+    p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml or plan.json")
+    p.set_defaults(func=cmd_tui)
+
+    p = sub.add_parser("logs", help="journal of a role or unit: prefill-0, decode, proxy, kv, or a unit name")
+    p.add_argument("target", nargs="*", help="instance, role, proxy, kv, all, or a unit name (default all)")
+    p.add_argument("-f", "--follow", action="store_true")
+    p.add_argument("--since", default="", help="journalctl --since (e.g. -10min, today)")
+    p.add_argument("-n", "--lines", type=int, default=200)
+    p.add_argument("-p", "--priority", default="", help="emerg..debug or 0-7 (that level and more severe)")
+    p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml or plan.json")
+    p.set_defaults(func=cmd_logs)

@@ -1,0 +1,444 @@
+"""Builds one immutable Snapshot per tick from every source, in a background thread.
+
+Sources per tick: GPU sampler (NVML or twin), one ``systemctl show`` for all units, each worker's
+``/health`` and ``/metrics``, the KV server's ``/healthcheck``, ``/status`` and ``/metrics``, the proxy's
+``/metrics``, ``/ready`` and its loopback status JSON. HTTP calls run in parallel with short time-outs,
+so one hung endpoint costs one time-out, not one per source. A failing source makes its own fields NA
+and the overall state "degraded"; it never stops the tick.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, Union
+
+from appliance import constants as C
+from appliance.inventory import NA, is_na
+
+from . import names as N
+from .gpus import GpuSampler, NoGpus, default_sampler
+from .rates import Window, quantile, ratio, sum_values
+from .scrape import Fetched, Metrics, fetch, parse_json, parse_metrics
+from .snapshot import (GpuProcess, GpuSample, KVLayers, KVServerStatus, ProxyStatus, Snapshot, Traffic,
+                       UnitState, WorkerStatus, na_unit)
+from .units import SystemctlUnits, UnitSource
+
+PROXY_STATUS_PATH = "/pdctl/status"
+BREAKER_BY_VALUE = {0: "closed", 1: "open", 2: "half_open"}   # the proxy's backend_state gauge encoding
+HISTORY_SERIES = ("ttft_p50", "ttft_p95", "kv_hit", "req_per_s", "gen_tps")
+
+_W_WANTED = N.all_names(N.VLLM)
+_K_WANTED = N.all_names(N.LMCACHE)
+_P_WANTED = N.all_names(N.PROXY)
+
+
+def _owner_of(pid: int, main_pids: dict) -> str:
+    """The worker whose launcher (unit MainPID) is this process or one of its ancestors."""
+    if not main_pids:
+        return ""
+    try:
+        import psutil
+        proc = psutil.Process(pid)
+        for p in [proc] + proc.parents():
+            if p.pid in main_pids:
+                return main_pids[p.pid]
+    except Exception:  # noqa: BLE001 - process gone or not visible: attribution is best effort
+        return ""
+    return ""
+
+
+def _f(v: Any, reason: str) -> Union[float, NA]:
+    return NA(reason) if v is None else float(v)
+
+
+class Collector:
+    """Polls every source each ``interval`` seconds; ``latest()`` is the newest Snapshot (or None)."""
+
+    def __init__(self, plan: Any, gpu_sampler: Optional[GpuSampler] = None, interval: float = 1.0, *,
+                 units: Optional[UnitSource] = None, window_s: float = 10.0, timeout_s: float = 0.5,
+                 slo_ttft_s: Optional[float] = None, history_len: int = 120, max_parallel: int = 8):
+        self.plan = plan
+        self.sampler = gpu_sampler if gpu_sampler is not None else default_sampler(plan.engine)
+        self.interval = interval
+        self.units = units if units is not None else SystemctlUnits()
+        self.timeout_s = timeout_s
+        self.window = Window(window_s)
+        self.slo_ttft_s = slo_ttft_s
+        self._history = {k: deque(maxlen=history_len) for k in HISTORY_SERIES}
+        self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="pdctl-scrape")
+        self._tick = 0
+        self._latest: Optional[Snapshot] = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # -- thread ------------------------------------------------------------------------------------
+    def start(self) -> "Collector":
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="pdctl-collector", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval + 5 * self.timeout_s + 2)
+            self._thread = None
+        self._pool.shutdown(wait=False)
+        self.sampler.close()
+
+    def latest(self) -> Optional[Snapshot]:
+        with self._lock:
+            return self._latest
+
+    def _run(self) -> None:
+        nxt = time.monotonic()
+        while not self._stop.is_set():
+            snap = self.tick()
+            with self._lock:
+                self._latest = snap
+            nxt += self.interval
+            delay = nxt - time.monotonic()
+            if delay < 0:                     # a slow tick: skip ahead instead of bursting
+                nxt = time.monotonic()
+                delay = 0
+            self._stop.wait(delay)
+
+    # -- one tick ----------------------------------------------------------------------------------
+    def tick(self) -> Snapshot:
+        plan = self.plan
+        now = time.time()
+        px = plan.proxy
+        kvu = plan.kv_server.http_url
+        proxy_url = f"http://127.0.0.1:{px.port}"
+        urls: dict[str, str] = {"kv_health": kvu + "/healthcheck", "kv_status": kvu + "/status",
+                                "kv_metrics": kvu + "/metrics", "px_metrics": proxy_url + "/metrics",
+                                "px_ready": proxy_url + "/ready",
+                                "px_status": f"http://127.0.0.1:{px.internal_port}{PROXY_STATUS_PATH}"}
+        for w in plan.workers:
+            urls[f"w_health:{w.instance}"] = w.url() + "/health"
+            urls[f"w_metrics:{w.instance}"] = w.url() + "/metrics"
+        futures = {k: self._pool.submit(fetch, u, self.timeout_s) for k, u in urls.items()}
+        unit_names = [C.KV_UNIT, C.PROXY_UNIT] + [w.unit for w in plan.workers]
+        try:
+            states = self.units.states(unit_names)
+        except Exception as e:  # noqa: BLE001 - a broken unit source degrades the unit columns only
+            states = {u: na_unit(u, f"unit source failed: {e}") for u in unit_names}
+        raw_gpus = self.sampler.sample()
+        got: dict[str, Fetched] = {k: f.result() for k, f in futures.items()}
+
+        wm = {w.instance: self._metrics(got[f"w_metrics:{w.instance}"], _W_WANTED) for w in plan.workers}
+        km = self._metrics(got["kv_metrics"], _K_WANTED)
+        pm = self._metrics(got["px_metrics"], _P_WANTED)
+        self.window.push(now, self._cumulative(wm, km, pm))
+
+        breakers = self._breakers(got["px_status"], pm)
+        workers = tuple(self._worker(w, got[f"w_health:{w.instance}"], wm[w.instance], breakers,
+                                     states.get(w.unit) or na_unit(w.unit, "no state")) for w in plan.workers)
+        kv = self._kv(got, km, states.get(C.KV_UNIT) or na_unit(C.KV_UNIT, "no state"))
+        proxy = self._proxy(got, pm, breakers, proxy_url, states.get(C.PROXY_UNIT) or na_unit(C.PROXY_UNIT, "?"))
+        layers = self._layers(workers, kv)
+        traffic = Traffic(req_per_s=proxy.req_per_s,
+                          prompt_tps=sum_values([w.prompt_tps for w in workers]),
+                          gen_tps=sum_values([w.gen_tps for w in workers]),
+                          running=sum_values([w.running for w in workers]),
+                          waiting=sum_values([w.waiting for w in workers]))
+        gpu_source, gpus = self._gpus(raw_gpus, states)
+        overall, reasons = self._overall(workers, kv, proxy)
+        self._tick += 1
+        hist_vals = {"ttft_p50": proxy.ttft_p50_s, "ttft_p95": proxy.ttft_p95_s, "kv_hit": layers.kv_server,
+                     "req_per_s": proxy.req_per_s, "gen_tps": traffic.gen_tps}
+        for k, v in hist_vals.items():
+            self._history[k].append(v)
+        return Snapshot(
+            taken_at=now, tick=self._tick, interval_s=self.interval, window_s=round(self.window.span, 3),
+            mode=plan.mode, engine=plan.engine, engine_version=plan.engine_version,
+            model=plan.served_model_name or plan.model, overall=overall, overall_reasons=tuple(reasons),
+            uptime_s=proxy.uptime_s, gpu_source=gpu_source, gpus=gpus, workers=workers, kv=kv, proxy=proxy,
+            kv_layers=layers, traffic=traffic,
+            slo_ttft_s=self.slo_ttft_s if self.slo_ttft_s is not None else NA("no TTFT SLO configured"),
+            history={k: tuple(float(x) for x in d if not is_na(x)) for k, d in self._history.items()})
+
+    # -- helpers -----------------------------------------------------------------------------------
+    @staticmethod
+    def _metrics(f: Fetched, wanted: frozenset) -> Union[Metrics, NA]:
+        if not f.ok:
+            return NA(f"{f.url}: {f.error}")
+        m = parse_metrics(f.body, wanted)
+        return NA(f"{f.url}: {m}") if isinstance(m, str) else m
+
+    def _cumulative(self, wm: dict, km: Any, pm: Any) -> dict:
+        """Every counter/histogram the window needs, keyed by source and logical name."""
+        vals: dict[str, Any] = {}
+        ver = self.plan.engine_version
+        for inst, m in wm.items():
+            if isinstance(m, NA):
+                continue
+            for logical in ("prefix_queries", "prefix_hits", "ext_queries", "ext_hits", "prompt_tokens",
+                            "gen_tokens", "preemptions"):
+                name = N.resolve(N.VLLM, logical, m.names, ver)
+                if name is not None:
+                    vals[f"w:{inst}:{logical}"] = m.total(name, "_total")
+        if not isinstance(km, NA):
+            vals["up:kv"] = True
+            for logical in ("lookup_requested", "lookup_hit", "lookups", "evicted"):
+                name = N.resolve(N.LMCACHE, logical, km.names)
+                if name is not None:
+                    vals[f"kv:{logical}"] = km.total(name, "_total")
+        if not isinstance(pm, NA):
+            vals["up:px"] = True
+            for logical, suffix in (("requests", "_total"), ("retries", "_total")):
+                name = N.resolve(N.PROXY, logical, pm.names)
+                if name is not None:
+                    vals[f"px:{logical}"] = pm.total(name, suffix)
+            name = N.resolve(N.PROXY, "ttft", pm.names)
+            if name is not None:
+                vals["px:ttft"] = pm.buckets(name)
+            name = N.resolve(N.PROXY, "pd_skipped", pm.names)
+            if name is not None:
+                for reason, v in pm.by_label(name, "reason", "_total").items():
+                    vals[f"px:skip:{reason}"] = v
+        return {k: v for k, v in vals.items() if v is not None}
+
+    def _wrate(self, key: str, src: Any, what: str) -> Union[float, NA]:
+        if isinstance(src, NA):
+            return src
+        r = self.window.rate(key)
+        if isinstance(r, NA) and r.reason == "series absent in the latest scrape":
+            return NA(f"{what} absent in this engine version")
+        return r
+
+    def _wratio(self, hits: str, queries: str, src: Any, what: str) -> Union[float, NA]:
+        if isinstance(src, NA):
+            return src
+        h, q = self.window.delta(hits), self.window.delta(queries)
+        if isinstance(h, NA) and h.reason == "series absent in the latest scrape":
+            return NA(f"{what} absent in this engine version "
+                      f"(looked for {', '.join(N.expected(N.VLLM, 'prefix_hits', self.plan.engine_version))})"
+                      if "prefix" in hits and "ext" not in hits else f"{what} absent in this engine version")
+        return ratio(h, q)
+
+    def _worker(self, w: Any, health: Fetched, m: Any, breakers: Any, state: UnitState) -> WorkerStatus:
+        if health.ok:
+            h: Any = "ok"
+        elif health.status:
+            h = f"unhealthy (HTTP {health.status})"
+        elif "no answer" in health.error:
+            h = "starting (no answer yet)"
+        else:
+            h = NA(health.error)
+        ver = self.plan.engine_version
+
+        def gauge(logical: str) -> Union[float, NA]:
+            if isinstance(m, NA):
+                return m
+            name = N.resolve(N.VLLM, logical, m.names, ver)
+            if name is None:
+                return NA(f"{logical} absent in this engine version "
+                          f"(looked for {', '.join(N.expected(N.VLLM, logical, ver))})")
+            return _f(m.total(name), f"{name} has no sample")
+        k = f"w:{w.instance}:"
+        if isinstance(breakers, NA):
+            br: Any = breakers
+        else:
+            br = dict(breakers).get(w.instance, NA("proxy does not list this backend"))
+        return WorkerStatus(
+            instance=w.instance, role=w.role, port=w.port, unit=w.unit, gpus=tuple(w.gpus), health=h,
+            running=gauge("running"), waiting=gauge("waiting"), kv_usage=gauge("kv_usage"),
+            local_hit_rate=self._wratio(k + "prefix_hits", k + "prefix_queries", m, "prefix cache hits"),
+            external_hit_rate=self._wratio(k + "ext_hits", k + "ext_queries", m, "external prefix cache hits"),
+            prompt_tps=self._wrate(k + "prompt_tokens", m, "prompt tokens"),
+            gen_tps=self._wrate(k + "gen_tokens", m, "generation tokens"),
+            preemptions=self._wrate(k + "preemptions", m, "preemptions"),
+            breaker=br, state=state)
+
+    def _kv(self, got: dict, km: Any, state: UnitState) -> KVServerStatus:
+        hf = got["kv_health"]
+        health: Any = "ok" if hf.ok else (f"unhealthy (HTTP {hf.status})" if hf.status else NA(hf.error))
+        st = got["kv_status"]
+        status = parse_json(st) if st.ok else f"{st.url}: {st.error}"
+        l1 = {}
+        if isinstance(status, dict):
+            l1 = ((status.get("storage_manager") or {}).get("l1_manager") or {})
+        why = status if isinstance(status, str) else "field absent in /status"
+
+        def from_status(key: str) -> Union[float, NA]:
+            v = l1.get(key)
+            return float(v) if isinstance(v, (int, float)) else NA(why)
+        used, total, usage = (from_status("memory_used_bytes"), from_status("memory_total_bytes"),
+                              from_status("memory_usage_ratio"))
+        if not isinstance(km, NA):        # /metrics gauges when /status lacks them
+            if is_na(usage):
+                name = N.resolve(N.LMCACHE, "l1_usage_ratio", km.names)
+                usage = _f(km.total(name), "l1 usage absent") if name else usage
+            if is_na(used):
+                name = N.resolve(N.LMCACHE, "l1_usage_bytes", km.names)
+                used = _f(km.total(name), "l1 bytes absent") if name else used
+        if is_na(total):
+            total = float(self.plan.kv_server.l1_size_gb) * 2**30 if self.plan.kv_server.l1_size_gb else total
+        sessions = status.get("active_sessions") if isinstance(status, dict) else None
+        evicted: Any = km if isinstance(km, NA) else self.window.delta("kv:evicted", "kv")
+        if isinstance(evicted, NA) and evicted.reason == "series absent in the latest scrape":
+            evicted = 0.0 if self.window.span > 0 else NA("first sample: rates need two ticks")
+        ev_rate = (evicted / self.window.span if isinstance(evicted, float) and self.window.span > 0 else
+                   evicted if isinstance(evicted, NA) else NA("not a counter"))
+        return KVServerStatus(
+            url=self.plan.kv_server.http_url, unit=C.KV_UNIT, health=health,
+            hit_rate=(km if isinstance(km, NA) else
+                      ratio(self.window.delta("kv:lookup_hit", "kv"),
+                            self.window.delta("kv:lookup_requested", "kv"))),
+            l1_used_bytes=used, l1_total_bytes=total, l1_usage=usage,
+            evictions_per_s=ev_rate, evicted_chunks=evicted,
+            lookups_per_s=km if isinstance(km, NA) else self.window.rate("kv:lookups", "kv"),
+            active_sessions=int(sessions) if isinstance(sessions, int) else NA(why),
+            state=state)
+
+    def _breakers(self, st: Fetched, pm: Any) -> Union[tuple, NA]:
+        """(instance, state) per backend, from the proxy's status JSON, else from its backend_state gauge."""
+        by_port = {w.port: w.instance for w in self.plan.workers}
+        names = {w.instance for w in self.plan.workers}
+
+        def who(name: str, url: str) -> str:
+            if name in names:
+                return name
+            try:
+                return by_port.get(int(url.rstrip("/").rsplit(":", 1)[1]), name or url)
+            except (ValueError, IndexError):
+                return name or url
+        if st.ok:
+            doc = parse_json(st)
+            backends = doc.get("backends") if isinstance(doc, dict) else None
+            if isinstance(backends, dict):
+                backends = [dict(v, name=v.get("name", k)) for k, v in backends.items() if isinstance(v, dict)]
+            if isinstance(backends, list):
+                return tuple((who(str(b.get("name", "")), str(b.get("url", ""))), str(b.get("state", "?")))
+                             for b in backends if isinstance(b, dict))
+        if isinstance(pm, NA):
+            return NA(f"proxy status: {st.error or 'no backends listed'}; {pm.reason}")
+        name = N.resolve(N.PROXY, "backend_state", pm.names)
+        if name is None:
+            return NA("proxy exposes no backend state")
+        return tuple((who(lab.get("backend", ""), lab.get("backend", "")),
+                      BREAKER_BY_VALUE.get(int(v), f"unknown ({v:g})")) for lab, v in pm.samples(name))
+
+    def _proxy(self, got: dict, pm: Any, breakers: Any, url: str, state: UnitState) -> ProxyStatus:
+        rf = got["px_ready"]
+        if rf.ok:
+            health: Any = "ok"
+            ready: Any = "ready"
+        elif rf.status:
+            health = "ok"
+            why = ""
+            doc = parse_json(rf)
+            if isinstance(doc, dict):
+                why = str(doc.get("reason") or doc.get("detail") or doc.get("error") or "")
+            ready = f"not ready (HTTP {rf.status}{': ' + why if why else ''})"
+        else:
+            health = NA(rf.error)
+            ready = NA(rf.error)
+        if isinstance(pm, NA):
+            ttft_p50 = ttft_p95 = req = retries = inflight = uptime = pm
+            skipped: Any = pm
+        else:
+            d = self.window.delta("px:ttft")
+            b = d if isinstance(d, (dict, NA)) else NA("ttft is not a histogram")
+            ttft_p50, ttft_p95 = quantile(0.5, b), quantile(0.95, b)
+            req = self.window.rate("px:requests")
+            retries = self.window.rate("px:retries")
+            name = N.resolve(N.PROXY, "inflight", pm.names)
+            inflight = _f(pm.total(name), "no sample") if name else NA("proxy exposes no inflight gauge")
+            name = N.resolve(N.PROXY, "start_time", pm.names)
+            start = pm.total(name) if name else None
+            uptime = max(0.0, time.time() - start) if start else NA("proxy exposes no start time")
+            latest = self.window._ticks[-1][1]
+            reasons = sorted(k[len("px:skip:"):] for k in latest if k.startswith("px:skip:"))
+            skipped = tuple((r, d) for r in reasons
+                            for d in [self.window.delta(f"px:skip:{r}", "px")] if isinstance(d, float))
+            if self.window.span <= 0:
+                skipped = NA("first sample: rates need two ticks")
+        if isinstance(uptime, NA) and not isinstance(state.since, NA) and state.active == "active":
+            uptime = max(0.0, time.time() - state.since)
+        return ProxyStatus(url=url, unit=C.PROXY_UNIT, health=health, ready=ready, req_per_s=req,
+                           inflight=inflight, ttft_p50_s=ttft_p50, ttft_p95_s=ttft_p95, pd_skipped=skipped,
+                           retries_per_s=retries, breakers=breakers, uptime_s=uptime, state=state)
+
+    def _layers(self, workers: tuple, kv: KVServerStatus) -> KVLayers:
+        """Token-weighted hit rate across workers per layer (Σhits/Σqueries, not a mean of ratios)."""
+        def layer(hk: str, qk: str, label: str) -> Union[float, NA]:
+            hs, qs, seen, why = 0.0, 0.0, False, None
+            for w in workers:
+                h, q = self.window.delta(f"w:{w.instance}:{hk}"), self.window.delta(f"w:{w.instance}:{qk}")
+                if isinstance(h, float) and isinstance(q, float):
+                    hs, qs, seen = hs + h, qs + q, True
+                elif why is None:
+                    why = h if isinstance(h, NA) else q
+            if not seen:
+                return why if isinstance(why, NA) else NA("no workers in the plan")
+            return ratio(hs, qs, f"{label} lookups")
+        return KVLayers(engine_local=layer("prefix_hits", "prefix_queries", "prefix cache"),
+                        connector=layer("ext_hits", "ext_queries", "connector"),
+                        kv_server=kv.hit_rate)
+
+    def _gpus(self, raw: Any, states: dict) -> tuple:
+        """Per-GPU rows with the owning worker; a GPU process is attributed through its unit's MainPID."""
+        if isinstance(raw, NA):
+            return raw, ()
+        owner = {g: w for w in self.plan.workers for g in w.gpus}
+        main_pids = {}
+        for w in self.plan.workers:
+            pid = getattr(states.get(w.unit), "main_pid", None)
+            if isinstance(pid, int) and pid > 0:
+                main_pids[pid] = w.instance
+        out = []
+        for g in raw:
+            w = owner.get(g.index)
+            procs = tuple(GpuProcess(pid=p[0], used_bytes=p[1],
+                                     owner=_owner_of(p[0], main_pids) or (w.instance if w else ""))
+                          for p in g.processes)
+            out.append(GpuSample(index=g.index, name=g.name, role=w.role if w else "",
+                                 instance=w.instance if w else "", util_pct=g.util_pct,
+                                 mem_used_bytes=g.mem_used_bytes, mem_total_bytes=g.mem_total_bytes,
+                                 temp_c=g.temp_c, power_w=g.power_w, power_limit_w=g.power_limit_w,
+                                 processes=procs))
+        return getattr(self.sampler, "source", "gpu"), tuple(out)
+
+    @staticmethod
+    def _overall(workers: tuple, kv: KVServerStatus, proxy: ProxyStatus) -> tuple[str, list]:
+        reasons = []
+        if is_na(proxy.health):
+            return "down", [f"proxy: {proxy.health.reason}"]
+        if proxy.ready != "ready":
+            reasons.append(f"proxy {proxy.ready}" if not is_na(proxy.ready) else "proxy readiness unknown")
+        if kv.health != "ok":
+            reasons.append(f"kv server: {kv.health.reason if is_na(kv.health) else kv.health}")
+        for w in workers:
+            if w.health != "ok":
+                reasons.append(f"{w.instance}: {w.health.reason if is_na(w.health) else w.health}")
+            if w.breaker in ("open", "half_open"):
+                reasons.append(f"{w.instance}: breaker {w.breaker}")
+        for st in [kv.state, proxy.state] + [w.state for w in workers]:
+            if st.active in ("failed", "activating", "deactivating") or st.sub == "auto-restart":
+                reasons.append(f"{st.unit}: {st.active}/{st.sub}")
+        return ("ready" if not reasons else "degraded"), reasons
+
+
+def collect_once(plan: Any, gpu_sampler: Optional[GpuSampler] = None, *, units: Optional[UnitSource] = None,
+                 settle_s: float = 0.0, timeout_s: float = 0.5, slo_ttft_s: Optional[float] = None) -> Snapshot:
+    """One Snapshot without a thread. With ``settle_s`` > 0 two ticks are taken so rates are filled."""
+    c = Collector(plan, gpu_sampler if gpu_sampler is not None else None, interval=max(settle_s, 0.1),
+                  units=units, window_s=max(settle_s, 0.1) * 2, timeout_s=timeout_s, slo_ttft_s=slo_ttft_s)
+    try:
+        snap = c.tick()
+        if settle_s > 0:
+            time.sleep(settle_s)
+            snap = c.tick()
+        return snap
+    finally:
+        c._pool.shutdown(wait=False)
+        c.sampler.close()
+
+
+__all__ = ["Collector", "collect_once", "NoGpus"]

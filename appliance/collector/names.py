@@ -1,0 +1,91 @@
+"""One table of engine metric names per engine version.
+
+vLLM renamed its metrics (vllm#14136, vllm#18354: ``vllm:gpu_prefix_cache_*`` -> ``vllm:prefix_cache_*``,
+``vllm:gpu_cache_usage_perc`` -> ``vllm:kv_cache_usage_perc``) and dashboards that hard-coded one name
+broke. Each logical metric maps to its candidate names, newest first; the resolver picks the name a
+given scrape actually exposes, and reports the names it looked for when none is there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from appliance import constants as C
+
+
+@dataclass(frozen=True)
+class MetricName:
+    name: str          # family name as exposed (counters without the _total suffix)
+    since: str         # first engine version exposing it ("" = always)
+    until: str = ""    # first engine version no longer exposing it ("" = still exposed)
+
+
+# logical name -> candidates, newest first. Counter families are given without "_total".
+VLLM: dict[str, tuple[MetricName, ...]] = {
+    "running": (MetricName(C.VLLM_RUNNING, ""),),
+    "waiting": (MetricName(C.VLLM_WAITING, ""),),
+    "kv_usage": (MetricName(C.VLLM_KV_USAGE, "0.9.0"),
+                 MetricName("vllm:gpu_cache_usage_perc", "", "0.10.0")),
+    "prefix_queries": (MetricName(C.VLLM_PREFIX_QUERIES, "0.9.0"),
+                       MetricName("vllm:gpu_prefix_cache_queries", "", "0.10.0")),
+    "prefix_hits": (MetricName(C.VLLM_PREFIX_HITS, "0.9.0"),
+                    MetricName("vllm:gpu_prefix_cache_hits", "", "0.10.0")),
+    "ext_queries": (MetricName(C.VLLM_EXT_PREFIX_QUERIES, "0.11.0"),),
+    "ext_hits": (MetricName(C.VLLM_EXT_PREFIX_HITS, "0.11.0"),),
+    "prompt_tokens": (MetricName(C.VLLM_PROMPT_TOKENS, ""),),
+    "gen_tokens": (MetricName(C.VLLM_GENERATION_TOKENS, ""),),
+    "preemptions": (MetricName(C.VLLM_PREEMPTIONS, ""),),
+    "request_success": (MetricName(C.VLLM_REQUEST_SUCCESS, ""),),
+    "ttft": (MetricName(C.VLLM_TTFT, ""),),
+}
+
+LMCACHE: dict[str, tuple[MetricName, ...]] = {
+    "lookup_requested": (MetricName(C.LMC_LOOKUP_REQUESTED, "0.5.0"),),
+    "lookup_hit": (MetricName(C.LMC_LOOKUP_HIT, "0.5.0"),),
+    "lookups": (MetricName(C.LMC_LOOKUPS, "0.5.0"),),
+    "evicted": (MetricName(C.LMC_L1_EVICTED_CHUNKS, "0.5.0"),),
+    "l1_usage_ratio": (MetricName(C.LMC_L1_USAGE_RATIO, "0.5.0"),),
+    "l1_usage_bytes": (MetricName(C.LMC_L1_USAGE_BYTES, "0.5.0"),),
+}
+
+PROXY: dict[str, tuple[MetricName, ...]] = {
+    "ttft": (MetricName(C.PROXY_TTFT, ""),),
+    "requests": (MetricName(C.PROXY_REQUESTS, ""),),
+    "inflight": (MetricName(C.PROXY_INFLIGHT, ""),),
+    "backend_state": (MetricName(C.PROXY_BACKEND_STATE, ""),),
+    "pd_skipped": (MetricName(C.PROXY_PD_SKIPPED, ""),),
+    "retries": (MetricName(C.PROXY_RETRIES, ""),),
+    "start_time": (MetricName("process_start_time_seconds", ""),),
+}
+
+
+def all_names(table: dict[str, tuple[MetricName, ...]]) -> frozenset[str]:
+    """Every family name in a table: the scraper keeps only these lines before parsing (cheap)."""
+    return frozenset(c.name for cands in table.values() for c in cands)
+
+
+def _vkey(version: str) -> tuple:
+    out = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def expected(table: dict[str, tuple[MetricName, ...]], logical: str, version: str) -> tuple[str, ...]:
+    """Candidate names for one engine version (all candidates when the version is unknown)."""
+    cands = table[logical]
+    if not version:
+        return tuple(c.name for c in cands)
+    v = _vkey(version)
+    ok = tuple(c.name for c in cands
+               if (not c.since or _vkey(c.since) <= v) and (not c.until or v < _vkey(c.until)))
+    return ok or tuple(c.name for c in cands)
+
+
+def resolve(table: dict[str, tuple[MetricName, ...]], logical: str, present: frozenset | set,
+            version: str = "") -> str | None:
+    """The family name this scrape exposes for ``logical``, preferring the version's own name."""
+    for name in expected(table, logical, version) + tuple(c.name for c in table[logical]):
+        if name in present:
+            return name
+    return None

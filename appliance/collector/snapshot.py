@@ -1,0 +1,172 @@
+"""Immutable, typed Snapshot of the whole box at one tick: what every view (status, TUI) renders.
+
+Every value a source may fail to give is ``NA(reason)`` instead of a guess, so a view can show *why*
+something is missing (endpoint down, metric absent in this engine version, NVML missing) and keep
+rendering the rest. Views never compute: rates, ratios and percentiles are already in here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Union
+
+from appliance.inventory import NA, is_na
+
+Num = Union[float, NA]
+Int = Union[int, NA]
+Str = Union[str, NA]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    used_bytes: Int
+    owner: str = ""              # worker instance whose engine runs this PID ("" when unknown)
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    index: int
+    name: str
+    role: str                    # role of the worker that owns this GPU ("" when no worker uses it)
+    instance: str                # owning worker instance ("" when none)
+    util_pct: Num
+    mem_used_bytes: Int
+    mem_total_bytes: Int
+    temp_c: Num
+    power_w: Num
+    power_limit_w: Num
+    processes: tuple = ()        # GpuProcess
+
+
+@dataclass(frozen=True)
+class UnitState:
+    unit: str
+    active: Str                  # ActiveState: active | activating | failed | inactive | ...
+    sub: Str                     # SubState: running | auto-restart | dead | ...
+    restarts: Int                # NRestarts
+    status_text: Str             # STATUS= sent by the launcher (sd_notify)
+    main_pid: Int
+    since: Num                   # ActiveEnterTimestamp, unix seconds
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    instance: str
+    role: str
+    port: int
+    unit: str
+    gpus: tuple
+    health: Str                  # "ok" | "starting" | "unhealthy (503)" ...
+    running: Num
+    waiting: Num
+    kv_usage: Num                # 0..1 of the engine's KV blocks in use
+    local_hit_rate: Num          # engine prefix cache, Δhits/Δqueries over the window
+    external_hit_rate: Num       # via the KV connector (LMCache), Δhits/Δqueries over the window
+    prompt_tps: Num              # prompt tokens/s over the window
+    gen_tps: Num                 # generated tokens/s over the window
+    preemptions: Num             # per second over the window
+    breaker: Str                 # circuit-breaker state of this backend at the proxy
+    state: UnitState
+
+
+@dataclass(frozen=True)
+class KVServerStatus:
+    url: str
+    unit: str
+    health: Str
+    hit_rate: Num                # Δlookup_hit_tokens / Δlookup_requested_tokens over the window
+    l1_used_bytes: Num
+    l1_total_bytes: Num
+    l1_usage: Num                # 0..1
+    evictions_per_s: Num         # evicted chunks per second over the window
+    evicted_chunks: Num          # evicted chunks in the window
+    lookups_per_s: Num
+    active_sessions: Int
+    state: UnitState
+
+
+@dataclass(frozen=True)
+class ProxyStatus:
+    url: str
+    unit: str
+    health: Str
+    ready: Str                   # "ready" or why not
+    req_per_s: Num
+    inflight: Num
+    ttft_p50_s: Num              # from the proxy's histogram bucket deltas over the window
+    ttft_p95_s: Num
+    pd_skipped: Union[tuple, NA]     # ((reason, count in window), ...)
+    retries_per_s: Num
+    breakers: Union[tuple, NA]       # ((backend instance or URL, state), ...)
+    uptime_s: Num
+    state: UnitState
+
+
+@dataclass(frozen=True)
+class KVLayers:
+    """Hit rate at the three layers, each over the window (a token-weighted ratio across workers)."""
+    engine_local: Num
+    connector: Num
+    kv_server: Num
+
+
+@dataclass(frozen=True)
+class Traffic:
+    req_per_s: Num
+    prompt_tps: Num
+    gen_tps: Num
+    running: Num
+    waiting: Num
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    taken_at: float              # unix seconds
+    tick: int
+    interval_s: float
+    window_s: float              # span the rates/ratios are computed over
+    mode: str
+    engine: str
+    engine_version: str
+    model: str
+    overall: str                 # "ready" | "degraded" | "down"
+    overall_reasons: tuple       # why not ready (one short string per cause)
+    uptime_s: Num
+    gpu_source: Str              # "nvml", "twin", ... or NA(why no GPU samples)
+    gpus: tuple                  # GpuSample
+    workers: tuple               # WorkerStatus
+    kv: KVServerStatus
+    proxy: ProxyStatus
+    kv_layers: KVLayers
+    traffic: Traffic
+    slo_ttft_s: Num
+    history: dict = field(default_factory=dict)   # series name -> tuple of floats (oldest first, NA dropped)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> dict:
+        return to_jsonable(self)
+
+
+def to_jsonable(value: Any) -> Any:
+    """Plain JSON types; ``NA`` becomes ``{"na": reason}`` like the inventory's JSON."""
+    if isinstance(value, NA):
+        return value.to_json()
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    return value
+
+
+def na_unit(unit: str, reason: str) -> UnitState:
+    """A unit whose state could not be read at all."""
+    na = NA(reason)
+    return UnitState(unit=unit, active=na, sub=na, restarts=na, status_text=na, main_pid=na, since=na)
+
+
+def reason_of(value: Any) -> str:
+    return value.reason if is_na(value) else ""

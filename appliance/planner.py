@@ -1,0 +1,441 @@
+"""The planner: a pure function (Inventory, ModelProfile, Workload, Overrides) -> Plan.
+
+No I/O here (no NVML, systemd, HTTP, files): everything it needs is handed to it, so the same inputs
+always give the same plan and every rule is unit-testable. Each decision adds a plain-words reason.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from . import constants as C
+from .engine_flags import (DEFAULT_CPU_VERSION, DEFAULT_GPU_VERSION, flags_for, kv_transfer_config)
+from .inventory import GPU, Inventory
+from .models import ModelProfile
+from .plan import KVServerPlan, Plan, ProxyPlan, WorkerPlan
+
+GiB = 1024**3
+TP_CHOICES = (1, 2, 4, 8)
+
+
+class PlanError(ValueError):
+    """An impossible ask: says why, and what would work (CLI exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Traffic the plan is sized for (default: the seed's P50 profile)."""
+    input_len: int = 7869
+    prefix_len: int = 6000
+    output_len: int = 252
+    max_model_len: int = 20000      # the seed's setting; covers its P95 prompts
+    ttft_slo_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class Overrides:
+    prefill: int = 0               # 0 = decide
+    decode: int = 0
+    tp: int = 0
+    gpus: tuple = ()               # restrict to these NVML indices
+    engine: str = "vllm"           # "vllm" | "vllm-cpu" | "twin"
+    engine_version: str = ""       # "" = the default for the engine kind
+    gpu_memory_utilization: float = 0.85
+    block_size: int = 64
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 32768
+    l1_size_gb: float = 0.0        # 0 = from host RAM
+    kv_cache_bytes_cpu: int = 256 * 1024**2   # CPU engines: explicit KV size (else vLLM takes 92 % of RAM)
+    served_model_name: str = ""
+    venv: str = str(C.VENV_DIR)              # where pdctl (and the twin) is installed
+    engine_venv: str = str(C.VENV_DIR)       # where vllm + lmcache are installed
+    proxy_host: str = "0.0.0.0"
+    proxy_port: int = C.PROXY_PORT
+    proxy_internal_port: int = C.PROXY_INTERNAL_PORT
+    kv_zmq_port: int = C.KV_ZMQ_PORT
+    kv_http_port: int = C.KV_HTTP_PORT
+    prefill_port_base: int = C.PREFILL_PORT_BASE
+    decode_port_base: int = C.DECODE_PORT_BASE
+    policy: str = "pdctl"
+    heartbeat_s: float = 2.0
+    mq_timeout_s: float = 60.0
+    kv_server: str = ""            # "" = real lmcache for vllm engines, twin for twin engines
+    twin_hardware: str = ""        # hardware profile for twin engines ("" = from the GPU name)
+    extra: dict = field(default_factory=dict)
+
+
+# --- memory rules ------------------------------------------------------------------------------------
+def kv_tokens_per_worker(gpu_mem: int, tp: int, model: ModelProfile, util: float) -> int:
+    """KV tokens one worker holds: its share of GPU memory minus weights and a fixed activation reserve."""
+    activation_reserve = 2 * GiB * tp          # CUDA graphs, activations, NCCL buffers (documented estimate)
+    free = gpu_mem * tp * util - model.weights_bytes - activation_reserve
+    return max(0, int(free // model.kv_bytes_per_token))
+
+
+def min_kv_tokens(work: Workload) -> int:
+    """A worker is only useful if it can hold at least 4 sequences of the planned maximum length."""
+    return 4 * work.max_model_len
+
+
+def l1_size_gb(host_ram: int, n_workers: int) -> float:
+    """LMCache L1 from host RAM minus a reserve: max(16 GiB, 10 %) for the OS plus 8 GiB per engine process."""
+    reserve = max(16 * GiB, host_ram // 10) + 8 * GiB * n_workers
+    return max(0.0, math.floor((host_ram - reserve) / GiB))
+
+
+def default_prefill_count(n_workers: int) -> int:
+    """The seed's rule of thumb for prefix-heavy chat: 1 prefiller per 4 workers (1:1 at 2, 1:2 at 3, 1:3 at 4).
+
+    Decode-heavy because the decode phase holds each request for its whole output while the prefill leg
+    is one forward pass over mostly cached tokens; the twin's what-if can replace this rule.
+    """
+    return max(1, math.ceil(n_workers / 4))
+
+
+# --- GPU grouping ------------------------------------------------------------------------------------
+def _tp_groups(inv: Inventory, gpus: list[GPU], tp: int, reasons: list[str]) -> list[tuple[int, ...]]:
+    """Groups of ``tp`` GPUs of one kind, inside one NVLink island when possible; no GPU twice."""
+    chosen = {g.index for g in gpus}
+    groups: list[tuple[int, ...]] = []
+    leftovers: list[GPU] = []
+    for island in inv.islands():
+        members = [inv.gpu(i) for i in island if i in chosen]
+        by_kind: dict[str, list[GPU]] = {}
+        for g in members:
+            by_kind.setdefault(g.name, []).append(g)
+        for kind_gpus in by_kind.values():
+            kind_gpus.sort(key=lambda g: g.index)
+            whole = len(kind_gpus) // tp * tp
+            for k in range(0, whole, tp):
+                groups.append(tuple(g.index for g in kind_gpus[k:k + tp]))
+            leftovers += kind_gpus[whole:]
+    if tp > 1 and leftovers:
+        by_kind = {}
+        for g in sorted(leftovers, key=lambda g: g.index):
+            by_kind.setdefault(g.name, []).append(g)
+        used: set[int] = set()
+        for kind_gpus in by_kind.values():
+            whole = len(kind_gpus) // tp * tp
+            for k in range(0, whole, tp):
+                grp = tuple(g.index for g in kind_gpus[k:k + tp])
+                groups.append(grp)
+                used.update(grp)
+                reasons.append(f"GPUs {list(grp)} form a TP group over PCIe (no NVLink island of {tp} left)")
+        leftovers = [g for g in leftovers if g.index not in used]
+    if leftovers:
+        reasons.append(f"GPUs {[g.index for g in leftovers]} stay unused: they cannot complete a TP-{tp} group "
+                       "of one GPU kind")
+    groups.sort()
+    return groups
+
+
+def _choose_tp(gpus: list[GPU], model: ModelProfile, work: Workload, ov: Overrides,
+               reasons: list[str]) -> int:
+    smallest = min(g.memory_total_bytes for g in gpus)
+    need = min_kv_tokens(work)
+    if ov.tp:
+        if ov.tp > len(gpus):
+            raise PlanError(f"--tp {ov.tp} needs {ov.tp} GPUs, the box has {len(gpus)} usable; use --tp "
+                            f"{max(t for t in TP_CHOICES if t <= len(gpus))} or fewer")
+        kv = kv_tokens_per_worker(smallest, ov.tp, model, ov.gpu_memory_utilization)
+        if kv < need:
+            raise PlanError(_does_not_fit(model, smallest, ov.tp, kv, need, gpus, work, ov))
+        reasons.append(f"TP={ov.tp} as asked: {kv:,} KV tokens per worker")
+        return ov.tp
+    per_kind = max(sum(1 for g in gpus if g.name == k) for k in {g.name for g in gpus})
+    for tp in TP_CHOICES:
+        if tp > per_kind:  # a TP group never mixes GPU models
+            break
+        kv = kv_tokens_per_worker(smallest, tp, model, ov.gpu_memory_utilization)
+        if kv >= need:
+            reasons.append(
+                f"TP={tp}: {model.name} weights {model.weights_bytes / GiB:.1f} GiB fit "
+                f"{tp} x {smallest / GiB:.0f} GiB at {ov.gpu_memory_utilization:.2f} utilisation with "
+                f"{kv:,} KV tokens per worker (>= {need:,} = 4 x max-model-len {work.max_model_len})")
+            return tp
+    raise PlanError(_does_not_fit(model, smallest, 0, 0, need, gpus, work, ov))
+
+
+def _does_not_fit(model: ModelProfile, smallest: int, tp: int, kv: int, need: int, gpus: list[GPU],
+                  work: Workload, ov: Overrides) -> str:
+    per_kind = max(sum(1 for g in gpus if g.name == k) for k in {g.name for g in gpus})
+    full = max((t for t in TP_CHOICES if t <= per_kind), default=1)
+    kv_full = kv_tokens_per_worker(smallest, full, model, ov.gpu_memory_utilization)
+    per_gpu = model.weights_bytes / GiB
+    gpus_needed = next((t for t in TP_CHOICES
+                        if kv_tokens_per_worker(smallest, t, model, ov.gpu_memory_utilization) >= need), None)
+    what = (f"needs TP={gpus_needed}, i.e. at least {gpus_needed} GPUs of {smallest / GiB:.0f} GiB"
+            if gpus_needed else "does not fit even 8 of these GPUs")
+    head = (f"model {model.name} ({per_gpu:.1f} GiB weights) does not fit at TP={tp}: {kv:,} KV tokens per worker, "
+            f"{need:,} needed" if tp else
+            f"model {model.name} ({per_gpu:.1f} GiB weights) does not fit even at full TP={full} on "
+            f"{len(gpus)} x {smallest / GiB:.0f} GiB ({kv_full:,} KV tokens, {need:,} needed)")
+    return (f"{head}; it {what}. Options: more or larger GPUs, a smaller --max-model-len "
+            f"(now {work.max_model_len}), or a smaller/quantised model")
+
+
+# --- argv builders -----------------------------------------------------------------------------------
+def _bin(venv: str, name: str) -> str:
+    return f"{venv.rstrip('/')}/bin/{name}"
+
+
+def _vllm_argv(role: str, port: int, tp: int, model: ModelProfile, served: str, work: Workload,
+               ov: Overrides, version: str, kv_port: int) -> tuple:
+    fl = flags_for(version)
+    entry = list(fl.entry)
+    argv = [_bin(ov.engine_venv, entry[0])] + entry[1:]
+    if fl.model_flag:
+        argv += [fl.model_flag, model.hf_id]
+    else:
+        argv += [model.hf_id]
+    argv += ["--host", C.LOOPBACK, "--port", str(port), "--served-model-name", served]
+    if fl.device == "cpu":
+        argv += ["--dtype", "bfloat16", "--enforce-eager", "--kv-cache-memory-bytes", str(ov.kv_cache_bytes_cpu),
+                 "--max-model-len", str(min(work.max_model_len, model.max_context))]
+    else:
+        argv += ["--tensor-parallel-size", str(tp), "--gpu-memory-utilization", f"{ov.gpu_memory_utilization:.2f}",
+                 "--max-model-len", str(min(work.max_model_len, model.max_context)),
+                 "--block-size", str(ov.block_size)]
+    argv += ["--max-num-seqs", str(ov.max_num_seqs), "--max-num-batched-tokens", str(ov.max_num_batched_tokens)]
+    argv += ["--kv-transfer-config", kv_transfer_config(fl, role, kv_port, ov.heartbeat_s, ov.mq_timeout_s)]
+    if fl.hma_flag:
+        argv.append("--disable-hybrid-kv-cache-manager")
+    argv += list(fl.quiet_access_log)
+    return tuple(argv)
+
+
+def _twin_hw(gpus: list[GPU], ov: Overrides) -> str:
+    if ov.twin_hardware:
+        return ov.twin_hardware
+    name = gpus[0].name.upper() if gpus else ""
+    for key, hw in (("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-80gb"), ("B200", "b200")):
+        if key in name:
+            return hw
+    return "h200"
+
+
+def _twin_argv(role: str, port: int, model: ModelProfile, served: str, ov: Overrides, hw: str,
+               gpu_index: int | None, kv_port: int, kv_http: int) -> tuple:
+    argv = [_bin(ov.venv, "pdctl"), "twin", "engine", "--role", role, "--host", C.LOOPBACK, "--port", str(port),
+            "--hardware", hw, "--model", model.name, "--served-model-name", served,
+            "--kv", f"tcp://127.0.0.1:{kv_port}", "--kv-http", f"http://127.0.0.1:{kv_http}"]
+    if gpu_index is not None:
+        argv += ["--gpu-index", str(gpu_index), "--state-file", f"{C.RUN_DIR}/twin/gpu-{gpu_index}.json"]
+    return tuple(argv)
+
+
+def _worker_env(role: str, gpus: list[GPU], ov: Overrides, version: str, proxy: ProxyPlan,
+                cpus: tuple) -> dict:
+    env = {"PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "LMCACHE_TRACK_USAGE": "false", "PYTHONUNBUFFERED": "1"}
+    if ov.engine != "twin":
+        env.update(flags_for(version).env)
+    if ov.engine == "vllm":
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in gpus)
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if ov.engine == "vllm-cpu" and cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_list(cpus)
+    if role == "prefill":
+        env["LMCACHE_REQUEST_TELEMETRY_TYPE"] = "fastapi"
+        env["LMCACHE_REQUEST_TELEMETRY_ENDPOINT"] = proxy.telemetry_url
+    return env
+
+
+def _cpu_list(cpus: tuple) -> str:
+    """Compact CPU list for VLLM_CPU_OMP_THREADS_BIND ("0", "0-3", "0,2")."""
+    cs = sorted(cpus)
+    if len(cs) > 1 and cs == list(range(cs[0], cs[-1] + 1)):
+        return f"{cs[0]}-{cs[-1]}"
+    return ",".join(str(c) for c in cs)
+
+
+def _kv_plan(inv: Inventory, n_workers: int, gpu_workers: int, ov: Overrides, reasons: list[str],
+             cpu_engine: bool) -> KVServerPlan:
+    kind = ov.kv_server or ("twin" if ov.engine == "twin" else "lmcache")
+    if ov.l1_size_gb:
+        l1 = ov.l1_size_gb
+        reasons.append(f"LMCache L1 {l1:g} GiB as asked")
+    elif cpu_engine:
+        l1 = 1.0
+        reasons.append("LMCache L1 1 GiB: CPU engines (the server allocates L1 eagerly without GPU pinning)")
+    else:
+        l1 = l1_size_gb(inv.host_ram_bytes, n_workers)
+        reasons.append(f"LMCache L1 {l1:g} GiB = host RAM {inv.host_ram_bytes / GiB:.0f} GiB minus a reserve of "
+                       f"max(16 GiB, 10 %) + 8 GiB per engine ({n_workers} engines)")
+        if l1 < 1:
+            raise PlanError(f"host RAM {inv.host_ram_bytes / GiB:.0f} GiB leaves no room for the LMCache L1 "
+                            f"after the reserve for {n_workers} engines; add RAM or pass --l1-size-gb N")
+    restart = max(5.0, 2.5 * ov.heartbeat_s)
+    if kind == "twin":
+        argv = (_bin(ov.venv, "pdctl"), "twin", "kvserver", "--host", C.LOOPBACK, "--port", str(ov.kv_zmq_port),
+                "--http-port", str(ov.kv_http_port), "--l1-size-gb", f"{l1:g}")
+        env = {"PYTHONUNBUFFERED": "1"}
+    else:
+        argv = [_bin(ov.engine_venv, "lmcache"), "server", "--host", C.LOOPBACK, "--port", str(ov.kv_zmq_port),
+                "--http-host", C.LOOPBACK, "--http-port", str(ov.kv_http_port), "--l1-size-gb", f"{l1:g}",
+                "--eviction-policy", "LRU", "--chunk-size", str(C.LMCACHE_CHUNK_TOKENS),
+                "--max-workers", str(max(1, n_workers)), "--max-gpu-workers", str(max(1, gpu_workers))]
+        if cpu_engine:
+            argv += ["--supported-transfer-mode", "auto"]
+        argv = tuple(argv)
+        env = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "PYTHONUNBUFFERED": "1"}
+    reasons.append(f"KV server restarts after {restart:g} s (> 2 x the workers' {ov.heartbeat_s:g} s heartbeat, so "
+                   "workers notice the restart and re-register: LMCache issue 4642)")
+    return KVServerPlan(kind=kind, zmq_port=ov.kv_zmq_port, http_port=ov.kv_http_port, l1_size_gb=float(l1),
+                        argv=argv, env=env, max_workers=max(1, n_workers), heartbeat_s=ov.heartbeat_s,
+                        restart_sec=restart)
+
+
+def _check_ports(ov: Overrides, n_prefill: int, n_decode: int) -> None:
+    ports = {"proxy": ov.proxy_port, "proxy internal": ov.proxy_internal_port, "kv zmq": ov.kv_zmq_port,
+             "kv http": ov.kv_http_port}
+    for i in range(n_prefill):
+        ports[f"prefill-{i}"] = ov.prefill_port_base + i
+    for i in range(n_decode):
+        ports[f"decode-{i}"] = ov.decode_port_base + i
+    seen: dict[int, str] = {}
+    for name, p in ports.items():
+        if not 1 <= p <= 65535:
+            raise PlanError(f"port {p} for {name} is out of range 1..65535")
+        if p in seen:
+            raise PlanError(f"port {p} is given to both {seen[p]} and {name}; move one of the port bases")
+        seen[p] = name
+
+
+# --- the planner -------------------------------------------------------------------------------------
+def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
+              ov: Overrides = Overrides()) -> Plan:
+    reasons: list[str] = []
+    if ov.engine not in ("vllm", "vllm-cpu", "twin"):
+        raise PlanError(f"engine {ov.engine!r} unknown; use vllm, vllm-cpu or twin")
+    if ov.prefill < 0 or ov.decode < 0 or ov.tp < 0:
+        raise PlanError("--prefill, --decode and --tp must be >= 0 (0 = let the planner decide)")
+    if ov.tp and ov.tp not in TP_CHOICES:
+        raise PlanError(f"--tp {ov.tp} is not one of {', '.join(map(str, TP_CHOICES))}")
+    if not 0.1 <= ov.gpu_memory_utilization <= 0.98:
+        raise PlanError(f"gpu_memory_utilization {ov.gpu_memory_utilization} outside 0.1..0.98")
+    version = ov.engine_version or (DEFAULT_CPU_VERSION if ov.engine == "vllm-cpu" else DEFAULT_GPU_VERSION)
+    if ov.engine != "twin":
+        try:
+            fl = flags_for(version)
+        except KeyError as exc:
+            raise PlanError(str(exc.args[0])) from None
+        if (fl.device == "cpu") != (ov.engine == "vllm-cpu"):
+            raise PlanError(f"engine version {version} is a {fl.device} build; it does not go with --engine {ov.engine}")
+    served = ov.served_model_name or (model.name.rstrip("/").split("/")[-1] if "/" in model.name else model.name)
+    proxy = ProxyPlan(host=ov.proxy_host, port=ov.proxy_port, internal_port=ov.proxy_internal_port, policy=ov.policy)
+
+    if ov.engine == "vllm-cpu":
+        return _cpu_plan(inv, model, work, ov, version, served, proxy, reasons)
+
+    gpus = list(inv.gpus)
+    if ov.gpus:
+        missing = [i for i in ov.gpus if i not in {g.index for g in gpus}]
+        if missing:
+            raise PlanError(f"--gpus {','.join(map(str, ov.gpus))}: GPU(s) {missing} not in the inventory "
+                            f"(have {[g.index for g in gpus]})")
+        if len(set(ov.gpus)) != len(ov.gpus):
+            raise PlanError(f"--gpus {','.join(map(str, ov.gpus))}: a GPU is listed twice")
+        gpus = [g for g in gpus if g.index in set(ov.gpus)]
+    if not gpus:
+        raise PlanError("no GPU to plan on: the inventory is empty (use --engine vllm-cpu for CPU engines, "
+                        "or --gpus fake:4xH200 / --simulate to try it)")
+    mig = [g.index for g in gpus if g.mig_mode == "enabled"]
+    if mig:
+        raise PlanError(f"GPU(s) {mig} have MIG enabled; pdctl plans whole GPUs: disable MIG "
+                        "(nvidia-smi -mig 0) or exclude them with --gpus")
+    if ov.tp:
+        kinds = {g.name for g in gpus}
+        if len(kinds) > 1 and all(sum(1 for g in gpus if g.name == k) < ov.tp for k in kinds):
+            raise PlanError(f"--tp {ov.tp}: no GPU kind has {ov.tp} GPUs and one TP group cannot mix GPU models "
+                            f"({', '.join(sorted(kinds))}); use --tp "
+                            f"{max(t for t in TP_CHOICES if t <= max(sum(1 for g in gpus if g.name == k) for k in kinds))}")
+    tp = _choose_tp(gpus, model, work, ov, reasons)
+    groups = _tp_groups(inv, gpus, tp, reasons)
+    if not groups:
+        raise PlanError(f"no TP-{tp} group of one GPU kind can be formed from GPUs {[g.index for g in gpus]}")
+    n = len(groups)
+    asked = ov.prefill + ov.decode
+    if (ov.prefill or ov.decode) and n == 1:
+        raise PlanError(f"--prefill/--decode need 2 workers but only 1 TP-{tp} group fits these GPUs; "
+                        "drop them for an aggregated plan, or add GPUs")
+    if n == 1:
+        mode = "aggregated"
+        roles = ["both"]
+        reasons.append("one worker only: an aggregated (not disaggregated) plan — one vLLM engine does prefill and "
+                       "decode, with LMCache as its KV offload; disaggregation needs at least 2 workers")
+    else:
+        mode = "disaggregated"
+        if ov.prefill or ov.decode:
+            p = ov.prefill or max(1, n - ov.decode)
+            d = ov.decode or max(1, n - p)
+            if p < 1 or d < 1:
+                raise PlanError("a disaggregated plan needs at least 1 prefill and 1 decode worker")
+            if p + d > n:
+                raise PlanError(f"--prefill {p} --decode {d} needs {p + d} TP-{tp} workers = {(p + d) * tp} GPUs; "
+                                f"this box has {n} workers ({len(gpus)} GPUs). Try --prefill 1 --decode {n - 1}")
+            if p + d < n:
+                reasons.append(f"{n - p - d} worker slot(s) left idle: --prefill {p} --decode {d} asked")
+            reasons.append(f"{p} prefill + {d} decode as asked")
+        else:
+            p = default_prefill_count(n)
+            d = n - p
+            reasons.append(f"{p} prefill + {d} decode from {n} workers: the seed measured decode as the bottleneck "
+                           "for prefix-heavy chat (1:2 to 1:3 prefill:decode), so 1 prefiller per 4 workers")
+        roles = ["prefill"] * p + ["decode"] * d
+    _check_ports(ov, roles.count("prefill"), roles.count("decode") + roles.count("both"))
+    hw = _twin_hw(gpus, ov)
+    workers = []
+    counters = {"prefill": 0, "decode": 0, "both": 0}
+    for role, grp in zip(roles, groups):
+        i = counters[role]
+        counters[role] += 1
+        port = {"prefill": ov.prefill_port_base, "decode": ov.decode_port_base,
+                "both": C.AGGREGATED_PORT_BASE}[role] + i
+        ggpus = [inv.gpu(x) for x in grp]
+        cpus = tuple(ggpus[0].cpu_affinity) if isinstance(ggpus[0].cpu_affinity, list) else ()
+        if ov.engine == "twin":
+            argv = _twin_argv(role, port, model, served, ov, hw, grp[0], ov.kv_zmq_port, ov.kv_http_port)
+        else:
+            argv = _vllm_argv(role, port, tp, model, served, work, ov, version, ov.kv_zmq_port)
+        env = _worker_env(role, ggpus, ov, version, proxy, cpus)
+        workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=tuple(grp), port=port, argv=argv,
+                                  env=env, tp=tp, gpu_uuids=tuple(g.uuid for g in ggpus), cpus=cpus))
+    kv = _kv_plan(inv, len(workers), len(workers) * tp, ov, reasons, cpu_engine=False)
+    if mode == "disaggregated":
+        reasons.append(f"proxy on {ov.proxy_host}:{ov.proxy_port} (the only non-loopback port); LMCache request "
+                       f"telemetry to {proxy.telemetry_url} tells it when a prefill's KV is stored")
+    return Plan(mode=mode, engine=ov.engine, engine_version=version if ov.engine != "twin" else "twin",
+                model=model.hf_id, served_model_name=served, tp=tp, workers=tuple(workers), kv_server=kv,
+                proxy=proxy, reasons=tuple(reasons), inventory_source=inv.source, hardware=gpus[0].name)
+
+
+def _cpu_plan(inv: Inventory, model: ModelProfile, work: Workload, ov: Overrides, version: str, served: str,
+              proxy: ProxyPlan, reasons: list[str]) -> Plan:
+    p = ov.prefill or 1
+    d = ov.decode or 1
+    n = p + d
+    ncpu = max(1, inv.cpu_count)
+    if n > ncpu:
+        raise PlanError(f"--prefill {p} --decode {d}: {n} CPU engines need at least {n} cores, this host has {ncpu}")
+    per = ncpu // n
+    _check_ports(ov, p, d)
+    reasons.append(f"CPU engines ({version}): {p} prefill + {d} decode, {per} core(s) each "
+                   "(VLLM_CPU_OMP_THREADS_BIND per worker, so engines do not share a core)")
+    reasons.append(f"KV cache {ov.kv_cache_bytes_cpu // 1024**2} MiB per engine, set explicitly (vLLM would take "
+                   "92 % of RAM otherwise)")
+    work = replace(work, max_model_len=min(work.max_model_len, model.max_context))
+    workers = []
+    for idx, role in enumerate(["prefill"] * p + ["decode"] * d):
+        i = idx if role == "prefill" else idx - p
+        port = (ov.prefill_port_base if role == "prefill" else ov.decode_port_base) + i
+        cpus = tuple(range(idx * per, (idx + 1) * per))
+        argv = _vllm_argv(role, port, 1, model, served, work, ov, version, ov.kv_zmq_port)
+        env = _worker_env(role, [], ov, version, proxy, cpus)
+        workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=(), port=port, argv=argv, env=env,
+                                  tp=1, cpus=cpus))
+    kv = _kv_plan(inv, n, n, ov, reasons, cpu_engine=True)
+    return Plan(mode="disaggregated", engine="vllm-cpu", engine_version=version, model=model.hf_id,
+                served_model_name=served, tp=1, workers=tuple(workers), kv_server=kv, proxy=proxy,
+                reasons=tuple(reasons), inventory_source=inv.source, hardware="cpu")

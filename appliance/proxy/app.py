@@ -1,0 +1,417 @@
+"""The proxy server: public OpenAI routes on one port, telemetry/status on a loopback-only internal port.
+
+aiohttp server and client on uvloop, picked by ``benchmarks/proxy_overhead.py``. Handlers are cancelled
+when the client goes away (``handler_cancellation``), which closes the upstream legs with them.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections import Counter
+
+import aiohttp
+from aiohttp import web
+
+from .. import constants as C
+from .backends import Backend
+from .breaker import Breaker
+from .config import ProxyConfig
+from .errors import NOT_FOUND, UNAUTHORIZED, ProxyError, bad_request, unavailable
+from .legs import DecodeStream, Legs, Passthrough, decode_body
+from .metrics import ProxyMetrics
+from .routing import POLICIES, SKIP_NO_PREFILLER, PrefixIndex, affinity_key
+from .scrape import Watcher
+from .telemetry import StoreWaiter, new_request_id
+from .validate import CHAT, COMPLETIONS, parse
+
+log = logging.getLogger("pdctl.proxy")
+_ROUTES = {"/v1/completions": (COMPLETIONS, "/v1/completions"),
+           "/v1/chat/completions": (CHAT, "/v1/chat/completions")}
+_SSE_TYPE = "text/event-stream; charset=utf-8"
+
+
+def _json(obj, status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(obj).encode(), status=status, content_type="application/json")
+
+
+def error_response(err: ProxyError, request_id: str | None = None) -> web.Response:
+    r = web.Response(body=err.body(), status=err.status, content_type="application/json")
+    if request_id:
+        r.headers["X-Request-Id"] = request_id
+    return r
+
+
+def _client_request_id(request) -> str | None:
+    v = request.headers.get("X-Request-Id")
+    if v and len(v) <= 128 and v.isprintable() and v.isascii():
+        return v
+    return None
+
+
+class ProxyServer:
+    """Owns the state every module reads: config, backends, policy, sessions, metrics, telemetry waiter."""
+
+    def __init__(self, cfg: ProxyConfig):
+        if cfg.policy not in POLICIES:
+            raise ValueError(f"unknown proxy policy {cfg.policy!r}: choose one of {', '.join(POLICIES)}")
+        self.cfg = cfg
+        self.metrics = ProxyMetrics()
+        self.waiter = StoreWaiter()
+        self.counts: Counter = Counter()
+        self.backends = [Backend(s, Breaker(cfg.breaker_failures, cfg.breaker_open_s)) for s in cfg.backends]
+        prefill = [b for b in self.backends if b.spec.role == "prefill"]
+        decode = [b for b in self.backends if b.spec.role in ("decode", "both")]
+        self.prefix = PrefixIndex(cfg.prefix_ttl_s)
+        self.policy = POLICIES[cfg.policy](prefill, decode, cfg.pd_min_prompt_tokens, self.prefix)
+        self.legs = Legs(self)
+        self.watcher = Watcher(self)
+        self.started = time.monotonic()
+        self.canary = {"ok": False, "at": None, "last_ok": None, "error": "no canary has run yet", "ms": None}
+        self.session: aiohttp.ClientSession | None = None
+        self.probe_session: aiohttp.ClientSession | None = None
+        self._runners: list = []
+        self._tasks: list = []
+        self.public_port = cfg.port
+        self.internal_port = cfg.internal_port
+
+    # ----- shared helpers --------------------------------------------------------------------------
+    def backend_headers(self) -> dict:
+        return {"Authorization": "Bearer " + self.cfg.backend_api_key} if self.cfg.backend_api_key else {}
+
+    def describe(self, role: str) -> str:
+        pool = self.policy.prefill if role == "prefill" else self.policy.decode
+        return ", ".join(f"{b.label}={b.breaker.state}" + (f" ({b.breaker.last_error})" if b.breaker.last_error
+                                                          else "") for b in pool) or f"no {role} workers"
+
+    def known_models(self) -> dict:
+        out: dict = {}
+        for b in self.backends:
+            for k, v in b.models.items():
+                if v is not None or k not in out:
+                    out[k] = v
+        return out
+
+    def _count(self, route: str, outcome: str) -> None:
+        self.metrics.count(route, outcome)
+        self.counts[f"{route}:{outcome}"] += 1
+
+    # ----- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False,
+                                             timeout=aiohttp.ClientTimeout(total=None))
+        self.probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                   timeout=aiohttp.ClientTimeout(total=5))
+        self.watcher.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._canary_loop()))
+        pub = web.Application(client_max_size=self.cfg.max_body_bytes + 1)
+        pub.router.add_get("/health", self.h_health)
+        pub.router.add_get("/ready", self.h_ready)
+        pub.router.add_get("/metrics", self.h_metrics)
+        pub.router.add_get("/v1/models", self.h_models)
+        pub.router.add_post("/v1/completions", self.h_completions)
+        pub.router.add_post("/v1/chat/completions", self.h_chat)
+        pub.router.add_route("*", "/{tail:.*}", self.h_unknown)
+        self.public_port = await self._listen(pub, self.cfg.host, self.cfg.port)
+        if self.cfg.internal_port is not None and self.cfg.internal_port >= 0:
+            internal = web.Application(client_max_size=4 * 1024 * 1024)
+            internal.router.add_post(C.TELEMETRY_PATH, self.h_telemetry)
+            internal.router.add_get("/pdctl/status", self.h_status)
+            internal.router.add_get("/health", self.h_health)
+            internal.router.add_get("/metrics", self.h_metrics)
+            self.internal_port = await self._listen(internal, self.cfg.internal_host, self.cfg.internal_port)
+
+    async def _listen(self, app: web.Application, host: str, port: int) -> int:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, backlog=2048, reuse_address=True)
+        await site.start()
+        self._runners.append(runner)
+        return runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.watcher.stop()
+        for r in self._runners:
+            await r.cleanup()
+        for s in (self.session, self.probe_session):
+            if s is not None:
+                await s.close()
+
+    # ----- small routes -----------------------------------------------------------------------------
+    async def h_health(self, request):
+        return _json({"status": "ok", "uptime_s": round(time.monotonic() - self.started, 1)})
+
+    def readiness(self) -> tuple:
+        last = self.canary["last_ok"]
+        if last is not None and time.monotonic() - last <= self.cfg.ready_window_s:
+            return True, f"PD canary succeeded {time.monotonic() - last:.1f} s ago"
+        return False, f"no successful PD canary in the last {self.cfg.ready_window_s:g} s: {self.canary['error']}"
+
+    async def h_ready(self, request):
+        ok, why = self.readiness()
+        if ok:
+            return _json({"ready": True, "reason": why, "canary_ms": self.canary["ms"]})
+        return error_response(unavailable(why, "not_ready"))
+
+    async def h_metrics(self, request):
+        self.metrics.set_backend_states(self.backends)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    def _authorized(self, request) -> bool:
+        if not self.cfg.api_key:
+            return True
+        got = request.headers.get("Authorization", "")
+        return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode("utf-8", "replace"),
+                                                                 self.cfg.api_key.encode())
+
+    async def h_models(self, request):
+        if not self._authorized(request):
+            return error_response(UNAUTHORIZED)
+        models = self.known_models()
+        if not models:
+            await asyncio.gather(*(self.watcher.models(b) for b in self.backends), return_exceptions=True)
+            models = self.known_models()
+        if not models:
+            return error_response(unavailable("no backend answered GET /v1/models; check `pdctl status`",
+                                              "no_models"))
+        data = [{"id": k, "object": "model", "created": int(self.started), "owned_by": "pdctl",
+                 **({"max_model_len": v} if v else {})} for k, v in sorted(models.items())]
+        return _json({"object": "list", "data": data})
+
+    async def h_unknown(self, request):
+        if request.path in _ROUTES or request.path in ("/v1/models", "/health", "/ready", "/metrics"):
+            return error_response(ProxyError(405, f"{request.method} is not allowed on {request.path}",
+                                             "invalid_request_error", "method_not_allowed"))
+        return error_response(NOT_FOUND)
+
+    async def h_telemetry(self, request):
+        try:
+            event = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return error_response(bad_request("telemetry body is not JSON", code="invalid_json"))
+        notified, total = self.waiter.handle(event)
+        return _json({"status": "ok", "notified": notified, "total": total})
+
+    async def h_status(self, request):
+        ok, why = self.readiness()
+        kv = {k.split(":", 1)[1]: v for k, v in self.counts.items() if k.startswith("kv_wait:")}
+        return _json({
+            "policy": self.policy.name, "uptime_s": round(time.monotonic() - self.started, 1),
+            "ready": ok, "ready_reason": why, "canary": {k: v for k, v in self.canary.items()
+                                                         if k not in ("at", "last_ok")},
+            "inflight": sum(v for k, v in self.counts.items() if k == "inflight"),
+            "backends": [b.status() for b in self.backends],
+            "requests": {k: v for k, v in self.counts.items() if ":" in k and not k.startswith(("kv_wait:",
+                                                                                               "skip:"))},
+            "pd_skipped": {k.split(":", 1)[1]: v for k, v in self.counts.items() if k.startswith("skip:")},
+            "kv_wait": kv, "retries": self.counts.get("retries", 0),
+            "telemetry": {"events": self.waiter.events, "matched": self.waiter.matched,
+                          "unmatched": self.waiter.unmatched},
+            "models": self.known_models(),
+        })
+
+    # ----- generation -------------------------------------------------------------------------------
+    async def h_completions(self, request):
+        return await self._generate(request, "/v1/completions", COMPLETIONS)
+
+    async def h_chat(self, request):
+        return await self._generate(request, "/v1/chat/completions", CHAT)
+
+    async def _generate(self, request, path: str, kind: str):
+        t0 = time.monotonic()
+        crid = _client_request_id(request)
+        if not self._authorized(request):
+            self._count(kind, "unauthorized")
+            return error_response(UNAUTHORIZED, crid)
+        limit = self.cfg.max_body_bytes
+        too_big = ProxyError(413, f"request body is larger than the proxy's limit of {limit} bytes; shorten the "
+                                  "prompt or raise --max-body-bytes", "invalid_request_error", "body_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            self._count(kind, "client_error")
+            return error_response(too_big, crid)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self._count(kind, "client_error")
+            return error_response(too_big, crid)
+        parsed = parse(raw, kind, self.cfg.max_tokens_limit)
+        if isinstance(parsed, ProxyError):
+            self._count(kind, "client_error")
+            return error_response(parsed, crid)
+        models = self.known_models()
+        if models and parsed.model not in models:
+            self._count(kind, "client_error")
+            return error_response(ProxyError(404, f"model {parsed.model[:200]!r} is not served here; served: "
+                                                  f"{', '.join(sorted(models))}", "invalid_request_error",
+                                             "model_not_found", "model"), crid)
+        mml = models.get(parsed.model)
+        mt = parsed.body.get("max_tokens") or parsed.body.get("max_completion_tokens")
+        if mml and mt and mt > mml:
+            self._count(kind, "client_error")
+            return error_response(bad_request(f"max_tokens={mt} exceeds the model's max_model_len {mml}",
+                                              param="max_tokens"), crid)
+        self.metrics.inflight.inc()
+        self.counts["inflight"] += 1
+        try:
+            return await self._serve(request, parsed, raw, path, kind, t0, crid)
+        except asyncio.CancelledError:
+            self._count(kind, "client_disconnect")
+            raise
+        finally:
+            self.metrics.inflight.dec()
+            self.counts["inflight"] -= 1
+
+    async def _serve(self, request, parsed, raw: bytes, path: str, kind: str, t0: float, crid):
+        m, cfg = self.metrics, self.cfg
+        rid = new_request_id()
+        echo = crid or rid
+        skip = self.policy.skip_reason(parsed.prompt_text, parsed.prompt_tokens_est)
+        kv_params = None
+        if skip is None:
+            waiting = cfg.kv_wait_s > 0 and any(b.spec.telemetry for b in self.policy.prefill)
+            if waiting:
+                self.waiter.expect(rid)
+            try:
+                pr = await self.legs.prefill(path, parsed.body, rid)
+            except BaseException:
+                self.waiter.discard(rid)
+                raise
+            if isinstance(pr, ProxyError):
+                self.waiter.discard(rid)
+                if cfg.on_prefill_failure != "decode":
+                    self._count(kind, "unavailable")
+                    return error_response(pr, echo)
+                skip = SKIP_NO_PREFILLER
+            elif isinstance(pr, Passthrough):
+                self.waiter.discard(rid)
+                self._count(kind, "client_error" if pr.status < 500 else "upstream_error")
+                return web.Response(body=pr.body, status=pr.status, content_type=pr.content_type,
+                                    headers={"X-Request-Id": echo})
+            else:
+                m.prefill.observe(pr.seconds)
+                if waiting and pr.backend.spec.telemetry:
+                    stored = await self.waiter.wait(rid, cfg.kv_wait_s)
+                    outcome = "stored" if stored else "timeout"
+                    m.kv_wait.labels(outcome).inc()
+                    self.counts["kv_wait:" + outcome] += 1
+                else:
+                    self.waiter.discard(rid)
+                kv_params = pr.kv_params
+                if parsed.prompt_tokens_est >= cfg.pd_min_prompt_tokens:
+                    self.prefix.record(parsed.prompt_text)
+        if skip is not None:
+            m.pd_skipped.labels(skip).inc()
+            self.counts["skip:" + skip] += 1
+        route = "decode_only" if skip else "pd"
+        data = decode_body(raw, parsed.body, kv_params)
+        aff = affinity_key(request.headers.get("X-Session-Id"), parsed.prompt_text)
+        d = await self.legs.decode(path, data, rid, aff, parsed.stream)
+        if isinstance(d, ProxyError):
+            self._count(kind, "unavailable" if d.status == 503 else "upstream_error")
+            return error_response(d, echo)
+        if isinstance(d, Passthrough):
+            if d.status == 200:
+                dt = time.monotonic() - t0
+                m.ttft.labels(route).observe(dt)
+                m.e2e.labels(route).observe(dt)
+                self._count(kind, "ok")
+            else:
+                self._count(kind, "client_error" if d.status < 500 else "upstream_error")
+            return web.Response(body=d.body, status=d.status, content_type=d.content_type,
+                                headers={"X-Request-Id": echo})
+        return await self._stream(request, d, kind, route, t0, echo)
+
+    async def _stream(self, request, d: DecodeStream, kind: str, route: str, t0: float, echo: str):
+        """Relay the D leg chunk by chunk; a failure after the first byte ends with an SSE error event."""
+        m = self.metrics
+        up = d.resp
+        b = d.backend
+        b.inflight += 1
+        out = web.StreamResponse(headers={"Content-Type": up.headers.get("Content-Type", _SSE_TYPE),
+                                          "Cache-Control": "no-cache", "X-Request-Id": echo})
+        outcome, clean = "ok", False
+        try:
+            await out.prepare(request)
+            await out.write(d.first)
+            m.decode_first.observe(d.seconds)
+            m.ttft.labels(route).observe(time.monotonic() - t0)
+            tail = d.first[-32:]
+            err = None
+            try:
+                async for chunk in up.content.iter_any():
+                    await out.write(chunk)
+                    tail = (tail + chunk)[-32:]
+            except (aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError, asyncio.TimeoutError,
+                    aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
+                err = f"{b.label}: the decode stream broke after the first byte ({type(e).__name__}: {str(e)[:120]})"
+            if err is None and not tail.rstrip().endswith(b"[DONE]"):
+                err = f"{b.label}: the decode stream ended without [DONE]"
+            if err is not None:
+                b.record_failure(err)
+                outcome = "stream_error"
+                await out.write(ProxyError(502, err + "; the answer is incomplete", "upstream_error",
+                                           "stream_broken").sse())
+            else:
+                clean = True
+            await out.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            outcome = "client_disconnect"
+        finally:
+            b.inflight -= 1
+            if clean:
+                up.release()
+            else:
+                up.close()
+        self._count(kind, outcome)
+        m.e2e.labels(route).observe(time.monotonic() - t0)
+        return out
+
+    # ----- readiness canary -------------------------------------------------------------------------
+    async def canary_once(self) -> bool:
+        """One real request through both legs (P then D, max_tokens=1): the only honest readiness signal."""
+        t0 = time.monotonic()
+        self.canary["at"] = t0
+        models = self.known_models()
+        if not models:
+            await asyncio.gather(*(self.watcher.models(b) for b in self.backends), return_exceptions=True)
+            models = self.known_models()
+        if not models:
+            self.canary.update(ok=False, error="no backend answered GET /v1/models")
+            return False
+        body = {"model": sorted(models)[0], "prompt": "pdctl readiness canary", "max_tokens": 1,
+                "temperature": 0, "stream": False}
+        raw = json.dumps(body).encode()
+        rid = new_request_id()
+        kv = None
+        if self.policy.prefill:
+            pr = await self.legs.prefill("/v1/completions", body, rid)
+            if isinstance(pr, ProxyError) or isinstance(pr, Passthrough):
+                why = pr.message if isinstance(pr, ProxyError) else f"prefill HTTP {pr.status}: {pr.body[:120]!r}"
+                self.canary.update(ok=False, error="P leg: " + why)
+                return False
+            kv = pr.kv_params
+        d = await self.legs.decode("/v1/completions", decode_body(raw, body, kv), rid, None, False)
+        if isinstance(d, ProxyError) or d.status != 200:
+            why = d.message if isinstance(d, ProxyError) else f"HTTP {d.status}: {d.body[:120]!r}"
+            self.canary.update(ok=False, error="D leg: " + why)
+            return False
+        now = time.monotonic()
+        self.canary.update(ok=True, last_ok=now, error="", ms=round((now - t0) * 1000, 1))
+        return True
+
+    async def _canary_loop(self) -> None:
+        await asyncio.sleep(0.2)
+        while True:
+            try:
+                ok = await self.canary_once()
+            except (aiohttp.ClientError, OSError, ValueError) as e:
+                ok = False
+                self.canary.update(ok=False, error=f"{type(e).__name__}: {e}")
+            self.metrics.count("canary", "ok" if ok else "failed")
+            await asyncio.sleep(self.cfg.canary_interval_s if ok else min(1.0, self.cfg.canary_interval_s))

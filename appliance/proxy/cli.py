@@ -1,0 +1,144 @@
+"""``pdctl proxy``: run the proxy from the installed Plan, or standalone with explicit backends."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from .. import constants as C
+from .config import BackendSpec, ProxyConfig, from_plan
+
+
+def _hostport(value: str) -> tuple:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected HOST:PORT, e.g. 127.0.0.1:9300")
+    return host or "0.0.0.0", int(port)
+
+
+def _url(value: str) -> str:
+    v = value.rstrip("/")
+    if not v.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a URL like http://127.0.0.1:8100")
+    return v
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("proxy", help="run the disaggregation proxy (from the Plan, or standalone "
+                                            "with --prefill/--decode)")
+    p.add_argument("--listen", type=_hostport, help="public HOST:PORT (default: the Plan's, or 0.0.0.0:9000)")
+    p.add_argument("--internal", type=_hostport,
+                   help="loopback HOST:PORT for telemetry and /pdctl/status (default: the Plan's, or "
+                        f"127.0.0.1:{C.PROXY_INTERNAL_PORT}; port 0 picks a free one)")
+    p.add_argument("--prefill", type=_url, action="append", default=[], metavar="URL")
+    p.add_argument("--decode", type=_url, action="append", default=[], metavar="URL")
+    p.add_argument("--both", type=_url, action="append", default=[], metavar="URL",
+                   help="aggregated workers (no P leg)")
+    p.add_argument("--policy", choices=("pdctl", "round-robin"))
+    p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml (its plan.json is read)")
+    p.add_argument("--api-key-file", type=Path, help="file holding the key clients must send as Bearer")
+    p.add_argument("--backend-api-key-file", type=Path, help="file holding the engines' --api-key")
+    p.add_argument("--kv-wait-s", type=float, help="bounded wait for LMCache's store-finished event")
+    p.add_argument("--telemetry-prefill", action="store_true",
+                   help="standalone: the prefillers post LMCache request telemetry to --internal")
+    p.add_argument("--pd-min-prompt-tokens", type=int, help="shorter prompts skip the P leg")
+    p.add_argument("--first-byte-timeout-s", type=float)
+    p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--on-prefill-failure", choices=("fail", "decode"))
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=main)
+
+
+def _read_key(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        key = path.read_text().strip()
+    except OSError as e:
+        raise SystemExit(f"pdctl proxy: cannot read key file {path}: {e.strerror}")
+    if key.startswith("PDCTL_API_KEY="):
+        key = key.split("=", 1)[1].strip().strip('"')
+    if not key:
+        raise SystemExit(f"pdctl proxy: key file {path} is empty; write the key into it or drop the flag")
+    return key
+
+
+def config_from_args(args, plan=None) -> ProxyConfig:
+    if args.prefill or args.decode or args.both:
+        specs = ([BackendSpec(u, "prefill", telemetry=args.telemetry_prefill) for u in args.prefill]
+                 + [BackendSpec(u, "decode") for u in args.decode] + [BackendSpec(u, "both") for u in args.both])
+        if not args.decode and not args.both:
+            raise SystemExit("pdctl proxy: give at least one --decode (or --both) URL")
+        cfg = ProxyConfig(backends=tuple(specs), kv_wait_s=2.0 if args.telemetry_prefill else 0.0)
+    else:
+        cfg = from_plan(plan)
+    kw = {}
+    if args.listen:
+        kw["host"], kw["port"] = args.listen
+    if args.internal:
+        kw["internal_host"], kw["internal_port"] = args.internal
+    for k in ("policy", "kv_wait_s", "pd_min_prompt_tokens", "first_byte_timeout_s", "max_body_bytes",
+              "on_prefill_failure"):
+        v = getattr(args, k)
+        if v is not None:
+            kw[k] = v
+    kw["api_key"] = _read_key(args.api_key_file)
+    kw["backend_api_key"] = _read_key(args.backend_api_key_file)
+    return replace(cfg, **kw)
+
+
+async def serve(cfg: ProxyConfig, stop: asyncio.Event | None = None) -> None:
+    """Run until ``stop`` is set (or SIGTERM/SIGINT); tells systemd READY=1 once both ports listen."""
+    from .. import sdnotify
+    from .app import ProxyServer
+    server = ProxyServer(cfg)
+    await server.start()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    logging.getLogger("pdctl.proxy").warning("pdctl proxy listening on %s:%s (internal %s:%s), policy %s",
+                                             cfg.host, server.public_port, cfg.internal_host,
+                                             server.internal_port, cfg.policy)
+    sdnotify.ready(f"proxy on :{server.public_port}, {len(cfg.backends)} backends, policy {cfg.policy}")
+    try:
+        await stop.wait()
+    finally:
+        sdnotify.stopping("proxy shutting down")
+        await server.stop()
+
+
+async def serve_plan(plan, stop: asyncio.Event | None = None, **overrides) -> None:
+    """The appliance entry point: the proxy exactly as the Plan describes it."""
+    await serve(from_plan(plan, **overrides), stop)
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
+
+
+def run_from_plan(plan, **overrides) -> None:
+    _run(serve_plan(plan, **overrides))
+
+
+def main(args) -> int:
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    plan = None
+    if not (args.prefill or args.decode or args.both):
+        from ..config import load_plan
+        plan = load_plan(args.config)
+    cfg = config_from_args(args, plan)
+    _run(serve(cfg))
+    return 0

@@ -1,0 +1,68 @@
+"""Proxy settings, built either from the Plan (appliance mode) or from explicit backends (standalone)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import constants as C
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    url: str                   # "http://127.0.0.1:8100"
+    role: str                  # "prefill" | "decode" | "both"
+    name: str = ""             # plan instance name ("prefill-0"); the URL when empty
+    telemetry: bool = False    # this prefiller posts LMCache request_store_finished events to us
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    backends: tuple                          # BackendSpec, in plan order
+    host: str = "0.0.0.0"
+    port: int = C.PROXY_PORT
+    internal_host: str = C.LOOPBACK
+    internal_port: int = C.PROXY_INTERNAL_PORT   # 0 = no internal listener
+    policy: str = "pdctl"                    # "pdctl" | "round-robin"
+    kv_wait_s: float = 2.0                   # bounded wait for the prefill's KV store (telemetry prefillers only)
+    pd_min_prompt_tokens: int = 512          # shorter prompts skip the P leg
+    prefix_ttl_s: float = 300.0              # how long a stored prefix counts as "still in the KV server"
+    api_key: str | None = None
+    backend_api_key: str | None = None       # sent to the engines when they run with --api-key
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_tokens_limit: int = 1 << 20          # above this max_tokens is refused (engines' max_model_len refines it)
+    connect_timeout_s: float = 1.0
+    prefill_timeout_s: float = 300.0         # P leg: whole answer
+    first_byte_timeout_s: float = 300.0      # D leg: until the first chunk
+    idle_timeout_s: float = 300.0            # D leg: between chunks once streaming
+    probe_interval_s: float = 0.5
+    probe_timeout_s: float = 1.0
+    scrape_interval_s: float = 1.0
+    breaker_failures: int = 3                # consecutive failures that open a breaker
+    breaker_open_s: float = 1.0              # open -> half-open after this long
+    canary_interval_s: float = 5.0
+    ready_window_s: float = 30.0             # /ready is true while the last good canary is younger than this
+    max_attempts: int = 3                    # per leg, each on a different backend
+    on_prefill_failure: str = "fail"         # "fail" (503, counted) | "decode" (D does the prefill, counted)
+    extra: dict = field(default_factory=dict)
+
+    def role(self, role: str) -> list:
+        return [b for b in self.backends if b.role == role or b.role == "both"]
+
+
+TELEMETRY_ENV = "LMCACHE_REQUEST_TELEMETRY_ENDPOINT"
+
+
+def from_plan(plan, **overrides) -> ProxyConfig:
+    """Backends, ports and knobs from an ``appliance.plan.Plan``; nothing is re-derived here."""
+    specs = []
+    for w in plan.workers:
+        tel = bool(w.env.get(TELEMETRY_ENV)) if isinstance(w.env, dict) else False
+        specs.append(BackendSpec(url=w.url(), role=w.role, name=w.instance, telemetry=tel and w.role != "decode"))
+    p = plan.proxy
+    kw = dict(backends=tuple(specs), host=p.host, port=p.port, internal_port=p.internal_port, policy=p.policy,
+              kv_wait_s=p.kv_wait_s, pd_min_prompt_tokens=p.pd_min_prompt_tokens)
+    kw.update(overrides)
+    return ProxyConfig(**kw)

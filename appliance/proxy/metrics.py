@@ -1,0 +1,48 @@
+"""Prometheus metrics of the proxy (names from appliance.constants), one registry per server instance."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .. import constants as C
+
+_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
+        20.0, 40.0, 80.0)
+STATE_VALUE = {"closed": 0, "open": 1, "half_open": 2}
+
+
+class ProxyMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram(C.PROXY_TTFT, "Arrival at the proxy to the first token chunk sent to the client",
+                              ["path"], buckets=_LAT, registry=r)
+        self.prefill = Histogram(C.PROXY_PREFILL, "Duration of the P leg (prefill request, max_tokens=1)",
+                                 buckets=_LAT, registry=r)
+        self.decode_first = Histogram(C.PROXY_DECODE_FIRST_TOKEN,
+                                      "D leg sent to its first chunk received (includes KV load)",
+                                      buckets=_LAT, registry=r)
+        self.e2e = Histogram(C.PROXY_E2E, "Arrival to the last byte sent", ["path"], buckets=_LAT, registry=r)
+        self.requests = Counter(C.PROXY_REQUESTS, "Requests by route and outcome", ["route", "outcome"],
+                                registry=r)
+        self.inflight = Gauge(C.PROXY_INFLIGHT, "Client requests in progress", registry=r)
+        self.backend_state = Gauge(C.PROXY_BACKEND_STATE, "Breaker state per backend (0 closed, 1 open, "
+                                   "2 half-open)", ["backend", "role"], registry=r)
+        self.pd_skipped = Counter(C.PROXY_PD_SKIPPED, "Requests that did not take the P leg, by reason",
+                                  ["reason"], registry=r)
+        self.retries = Counter(C.PROXY_RETRIES, "Leg attempts repeated on another backend", ["leg"], registry=r)
+        self.kv_wait = Counter(C.PROXY_KV_WAIT, "Waits for LMCache's request_store_finished, by outcome",
+                               ["outcome"], registry=r)
+        self._req_children: dict = {}
+
+    def count(self, route: str, outcome: str) -> None:
+        key = (route, outcome)
+        c = self._req_children.get(key)
+        if c is None:
+            c = self._req_children[key] = self.requests.labels(route, outcome)
+        c.inc()
+
+    def set_backend_states(self, backends) -> None:
+        for b in backends:
+            self.backend_state.labels(b.label, b.spec.role).set(STATE_VALUE.get(b.breaker.state, 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

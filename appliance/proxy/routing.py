@@ -1,0 +1,139 @@
+"""Which prefiller, which decoder, and whether the P leg is worth it.
+
+``pdctl`` policy: prefiller by least outstanding work; decoder by load (proxy in-flight plus the engine's
+scraped running/waiting/KV usage) with affinity (``X-Session-Id`` or the first prompt chunk) kept while the
+preferred decoder is not much busier than the least busy one (bounded-load rendezvous hashing).
+``round-robin``: the seed's baseline, one global index over each pool, never skips the P leg.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+
+from .. import constants as C
+
+CHUNK_CHARS = C.LMCACHE_CHUNK_TOKENS * 4      # ~ one LMCache chunk of text (about 4 characters per token)
+AFFINITY_SLACK = 2.0                           # preferred decoder kept while load <= least + max(slack, 25 %)
+
+SKIP_AGGREGATED = "aggregated"          # no prefill workers in the plan
+SKIP_SHORT = "short_prompt"             # nothing worth storing: below the threshold
+SKIP_CACHED = "prefix_cached"           # the prefix was stored recently; the rest is short
+SKIP_NO_PREFILLER = "prefill_unavailable"   # every prefiller failed or is open, fallback allowed
+
+
+def _eligible(pool, excluded):
+    now = time.monotonic()
+    return [b for b in pool if b not in excluded and b.breaker.allows(now)]
+
+
+class PrefixIndex:
+    """Prompt prefixes stored in the KV server recently, at ~chunk boundaries, with a time-to-live.
+
+    The proxy cannot ask LMCache cheaply whether a prefix is still in L1, so "recent" (TTL, bounded
+    size) stands in for "still there"; a wrong guess costs a decoder-side recompute, never a wrong answer.
+    """
+
+    def __init__(self, ttl_s: float = 300.0, max_entries: int = 200_000):
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        self._seen: OrderedDict = OrderedDict()
+
+    @staticmethod
+    def boundaries(text: str) -> list:
+        """Digest of every whole-chunk prefix, shortest first."""
+        data = text.encode("utf-8", "surrogatepass")
+        h = hashlib.blake2b(digest_size=16)
+        out = []
+        for end in range(CHUNK_CHARS, len(data) + 1, CHUNK_CHARS):
+            h.update(data[end - CHUNK_CHARS:end])
+            out.append((end, h.digest()))
+        return out
+
+    def record(self, text: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for _, d in self.boundaries(text):
+            self._seen[d] = now
+            self._seen.move_to_end(d)
+        while len(self._seen) > self.max_entries:
+            self._seen.popitem(last=False)
+
+    def cached_chars(self, text: str, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        for end, d in reversed(self.boundaries(text)):
+            t = self._seen.get(d)
+            if t is not None and now - t <= self.ttl_s:
+                return end
+        return 0
+
+
+class RoundRobin:
+    """The seed's baseline: one global index shared by both pools, P leg always (unless aggregated)."""
+    name = "round-robin"
+
+    def __init__(self, prefill: list, decode: list, min_prompt_tokens: int, prefix: PrefixIndex):
+        self.prefill, self.decode = prefill, decode
+        self.min_prompt_tokens = min_prompt_tokens
+        self.prefix = prefix
+        self._rr = 0
+
+    def _rotate(self, cands):
+        self._rr += 1
+        return cands[self._rr % len(cands)]
+
+    def skip_reason(self, prompt_text: str, prompt_tokens: int) -> str | None:
+        return SKIP_AGGREGATED if not self.prefill else None
+
+    def pick_prefill(self, excluded=()):
+        cands = _eligible(self.prefill, excluded)
+        return self._rotate(cands) if cands else None
+
+    def pick_decode(self, affinity: str | None = None, excluded=()):
+        cands = _eligible(self.decode, excluded)
+        return self._rotate(cands) if cands else None
+
+
+class PdctlPolicy(RoundRobin):
+    name = "pdctl"
+
+    def skip_reason(self, prompt_text: str, prompt_tokens: int) -> str | None:
+        if not self.prefill:
+            return SKIP_AGGREGATED
+        if prompt_tokens < self.min_prompt_tokens:
+            return SKIP_SHORT
+        cached = self.prefix.cached_chars(prompt_text)
+        if cached and (len(prompt_text) - cached) // 4 < self.min_prompt_tokens:
+            return SKIP_CACHED
+        return None
+
+    def pick_prefill(self, excluded=()):
+        cands = _eligible(self.prefill, excluded)
+        if not cands:
+            return None
+        best = min(b.inflight + b.waiting for b in cands)
+        ties = [b for b in cands if b.inflight + b.waiting == best]
+        return ties[0] if len(ties) == 1 else self._rotate(ties)
+
+    def pick_decode(self, affinity: str | None = None, excluded=()):
+        cands = _eligible(self.decode, excluded)
+        if not cands:
+            return None
+        if len(cands) == 1:
+            return cands[0]
+        loads = [(b.load(), b) for b in cands]
+        least = min(l for l, _ in loads)
+        if affinity is not None:
+            pref_load, pref = max(((l, b) for l, b in loads), key=lambda lb: hash((affinity, lb[1].url)))
+            if pref_load <= least + max(AFFINITY_SLACK, 0.25 * least):
+                return pref
+        ties = [b for l, b in loads if l == least]
+        return ties[0] if len(ties) == 1 else self._rotate(ties)
+
+
+POLICIES = {"pdctl": PdctlPolicy, "round-robin": RoundRobin}
+
+
+def affinity_key(session_id: str | None, prompt_text: str) -> str | None:
+    """Session header when given, else the first prompt chunk (same system prompt -> same decoder)."""
+    if session_id:
+        return "s:" + session_id
+    return "p:" + prompt_text[:CHUNK_CHARS] if prompt_text else None

