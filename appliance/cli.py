@@ -19,6 +19,7 @@ FEATURE_MODULES = (
     "appliance.proxy.cli",
     "appliance.collector.cli",
     "appliance.launcher.cli",
+    "appliance.demo",
 )
 
 

@@ -311,23 +311,23 @@ def run_uninstall(args: argparse.Namespace) -> int:
     if live:
         systemctl("daemon-reload")
         systemctl("reset-failed")
+    if live:
+        try:
+            pwd.getpwnam(C.SERVICE_USER)
+            info(f"remove user {C.SERVICE_USER}")
+            _run(["userdel", C.SERVICE_USER], check=False)
+        except KeyError:
+            pass
+        try:
+            grp.getgrnam(C.SERVICE_USER)
+            _run(["groupdel", C.SERVICE_USER], check=False)
+        except KeyError:
+            pass
     if args.purge:
         for d in (etc, root / str(C.STATE_DIR).lstrip("/"), root / "var/cache/pdctl", root / str(C.RUN_DIR).lstrip("/")):
             if d.exists():
                 info(f"remove {d}")
                 shutil.rmtree(d)
-        if live:
-            try:
-                pwd.getpwnam(C.SERVICE_USER)
-                info(f"remove user {C.SERVICE_USER}")
-                _run(["userdel", C.SERVICE_USER], check=False)
-                try:
-                    grp.getgrnam(C.SERVICE_USER)
-                    _run(["groupdel", C.SERVICE_USER], check=False)
-                except KeyError:
-                    pass
-            except KeyError:
-                pass
     else:
-        info(f"kept {etc} (settings) — `pdctl uninstall --purge` removes it and the pdctl user")
+        info(f"kept {etc} (settings) and {C.STATE_DIR} — `uninstall --purge` removes them too")
     return EXIT_OK

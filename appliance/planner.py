@@ -61,6 +61,8 @@ class Overrides:
     mq_timeout_s: float = 60.0
     kv_server: str = ""            # "" = real lmcache for vllm engines, twin for twin engines
     twin_hardware: str = ""        # hardware profile for twin engines ("" = from the GPU name)
+    run_dir: str = str(C.RUN_DIR)  # twin engines write their GPU samples under <run_dir>/twin
+    twin_time_scale: float = 1.0   # twin engines: >1 runs the simulated clock faster (demo, tests)
     extra: dict = field(default_factory=dict)
 
 
@@ -220,7 +222,9 @@ def _twin_argv(role: str, port: int, model: ModelProfile, served: str, ov: Overr
             "--hardware", hw, "--model", model.name, "--served-model-name", served,
             "--kv", f"tcp://127.0.0.1:{kv_port}", "--kv-http", f"http://127.0.0.1:{kv_http}"]
     if gpu_index is not None:
-        argv += ["--gpu-index", str(gpu_index), "--state-file", f"{C.RUN_DIR}/twin/gpu-{gpu_index}.json"]
+        argv += ["--gpu-index", str(gpu_index), "--state-file", f"{ov.run_dir}/twin/gpu-{gpu_index}.json"]
+    if ov.twin_time_scale != 1.0:
+        argv += ["--time-scale", f"{ov.twin_time_scale:g}"]
     return tuple(argv)
 
 

@@ -1,0 +1,209 @@
+"""The installer and the installed appliance under a real systemd (nspawn harness), twin engines.
+
+One container for the module; the steps run in order (each test builds on the one before), as an
+operator would: install -> traffic -> stop a decoder -> kill an engine -> restart the KV server ->
+logs -> stop the target -> uninstall. Bad environments are checked first, on a clean container.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.systemd]
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_PY = sys.executable
+WHEELHOUSE = REPO / ".cache" / "wheelhouse"
+CLIENT = str(REPO / "tests" / "install" / "client.py")
+MODEL = "deepseek-v2-lite"
+TIMINGS: dict = {}
+
+
+def build_wheelhouse() -> Path:
+    """Everything /opt/pdctl needs, as wheels, built on the host (the container has no network)."""
+    stamp = WHEELHOUSE / ".stamp"
+    key = (REPO / "pyproject.toml").read_text()
+    if stamp.exists() and stamp.read_text() == key:
+        return WHEELHOUSE
+    WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+    subprocess.run([VENV_PY, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "-w", str(WHEELHOUSE),
+                    str(REPO), "setuptools>=68", "wheel"], check=True, timeout=900)
+    for p in WHEELHOUSE.glob("pdctl-*.whl"):  # install.sh builds pdctl itself from the source tree
+        p.unlink()
+    stamp.write_text(key)
+    return WHEELHOUSE
+
+
+@pytest.fixture(scope="module")
+def box(systemd_box):
+    build_wheelhouse()
+    return systemd_box
+
+
+def install(box, *args, timeout=600, env=None):
+    e = {"INSTALL_PDCTL_WHEELHOUSE": str(WHEELHOUSE)}
+    e.update(env or {})
+    return box.run(["bash", str(REPO / "install.sh"), *args], timeout=timeout, env=e)
+
+
+def client(box, *args, timeout=120):
+    r = box.run([VENV_PY, CLIENT, *map(str, args)], timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def nothing_installed(box) -> list:
+    left = []
+    for p in ("/etc/systemd/system/pd.target", "/etc/systemd/system/pd-proxy.service",
+              "/etc/systemd/system/pd-kvcache.service", "/etc/systemd/system/pd-worker@.service",
+              "/etc/pdctl/plan.json"):
+        if box.host_path(p).exists():
+            left.append(p)
+    if box.run(["id", "pdctl"]).returncode == 0:
+        left.append("user pdctl")
+    return left
+
+
+# --- bad environments: clear refusal, exit 2, nothing half-installed ----------------------------------
+def test_refuses_without_root(box):
+    r = box.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", str(REPO / "install.sh"),
+                 "--simulate"], timeout=60)
+    assert r.returncode == 2 and "must run as root" in r.stderr
+    assert nothing_installed(box) == []
+
+
+def test_refuses_without_gpu_and_simulate(box):
+    r = install(box)
+    assert r.returncode == 2 and "--simulate" in r.stderr, r.stderr[-1500:]
+    assert nothing_installed(box) == []
+
+
+def test_refuses_taken_port_naming_the_process(box):
+    holder = box.run(["systemd-run", "--unit=squatter", "--", VENV_PY, "-c",
+                      "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
+                      "s.bind(('0.0.0.0', 9000)); s.listen(); time.sleep(600)"])
+    assert holder.returncode == 0, holder.stderr
+    try:
+        time.sleep(1.0)
+        r = install(box, "--simulate", "--gpus", "fake:4xH200")
+        assert r.returncode == 2, r.stdout[-1500:] + r.stderr[-1500:]
+        assert "port 9000" in r.stderr and "python" in r.stderr and "pid" in r.stderr
+        assert nothing_installed(box) == []
+    finally:
+        box.systemctl("stop", "squatter")
+
+
+def test_refuses_too_little_ram_for_l1(box):
+    r = install(box, "--gpus", "fake:2xH200", "--engine", "vllm", "--no-start",
+                env={"INSTALL_PDCTL_SKIP_ENGINES": "1", "PDCTL_KV_SERVER_L1_SIZE_GB": "100000"})
+    assert r.returncode == 2 and "too little free RAM for the planned LMCache L1" in r.stderr, r.stderr[-1500:]
+    assert nothing_installed(box) == []
+
+
+# --- the happy path -----------------------------------------------------------------------------------
+def test_install_simulate_until_ready(box):
+    t0 = time.monotonic()
+    r = install(box, "--simulate", "--gpus", "fake:4xH200", timeout=900)
+    TIMINGS["install_s"] = round(time.monotonic() - t0, 1)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[INFO] ready after" in r.stdout and "pdctl tui" in r.stdout
+    for u in ("pd.target", "pd-kvcache.service", "pd-proxy.service", "pd-worker@prefill-0.service",
+              "pd-worker@decode-0.service", "pd-worker@decode-1.service", "pd-worker@decode-2.service"):
+        assert box.show(u, "ActiveState")["ActiveState"] == "active", u
+    assert box.show("pd-worker@decode-0.service", "User")["User"] == "pdctl"
+    assert box.host_path("/etc/pdctl/workers/prefill-0.env").stat().st_mode & 0o777 == 0o600
+
+
+def test_reinstall_same_inputs_changes_nothing(box):
+    pid = box.show("pd-proxy.service", "MainPID")["MainPID"]
+    r = install(box, "--simulate", "--gpus", "fake:4xH200")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "no change detected" in r.stdout
+    assert box.show("pd-proxy.service", "MainPID")["MainPID"] == pid, "a no-op reinstall restarted the proxy"
+
+
+def test_installed_units_security(box):
+    for u in ("pd-kvcache.service", "pd-proxy.service", "pd-worker@decode-0.service"):
+        r = box.run(["systemd-analyze", "security", u, "--no-pager"], timeout=60)
+        line = [ln for ln in r.stdout.splitlines() if "Overall exposure level" in ln][0]
+        assert float(line.split(":")[1].split()[0]) <= 3.0, line
+
+
+def test_openai_client_through_proxy(box):
+    out = client(box, "smoke", 9000, MODEL)
+    assert out["completion_tokens"] == 8 and out["completion_stream_usage"] == 8
+    assert out["chat_stream_usage"] == 8 and out["chat_text"]
+    assert MODEL in out["models"]
+
+
+def test_stop_one_decoder_traffic_continues(box):
+    box.systemctl("stop", "pd-worker@decode-1.service", check=True)
+    try:
+        res = client(box, "load", 9000, MODEL, 30, 6)
+        assert res["error"] == 0, res
+    finally:
+        box.systemctl("start", "pd-worker@decode-1.service", check=True, timeout=120)
+
+
+def test_kill_engine_is_restarted_and_readmitted(box):
+    before = int(box.show("pd-worker@decode-0.service", "NRestarts")["NRestarts"])
+    r = box.sh("pkill -KILL -f -- 'twin engine --role decode .*--port 8200'")
+    assert r.returncode == 0, r.stderr
+    t0 = time.monotonic()
+    box.wait_show("pd-worker@decode-0.service", timeout=60, ActiveState="active",
+                  NRestarts=str(before + 1))
+    deadline = time.monotonic() + 40
+    while True:  # re-admitted: the proxy's status shows the backend closed (healthy) again
+        st = box.run(["curl", "-sf", "http://127.0.0.1:9001/pdctl/status"], timeout=10)
+        if st.returncode == 0 and '"state": "closed"' in st.stdout.replace('":"', '": "') and \
+                "8200" in st.stdout:
+            backends = json.loads(st.stdout).get("backends", [])
+            b = [x for x in backends if str(x.get("url", "")).endswith(":8200")]
+            if b and b[0].get("state") == "closed":
+                break
+        assert time.monotonic() < deadline, st.stdout[-2000:]
+        time.sleep(0.5)
+    TIMINGS["decoder_recovery_s"] = round(time.monotonic() - t0, 1)
+    res = client(box, "load", 9000, MODEL, 12, 3)
+    assert res["error"] == 0, res
+
+
+def test_kv_server_restart_workers_reconnect(box):
+    box.systemctl("restart", "pd-kvcache.service", check=True, timeout=120)
+    box.wait_show("pd-kvcache.service", timeout=60, ActiveState="active")
+    res = client(box, "load", 9000, MODEL, 12, 3)
+    assert res["error"] == 0, res
+    st = box.run(["curl", "-sf", "http://127.0.0.1:6080/metrics"], timeout=10).stdout
+    hits = [ln for ln in st.splitlines() if ln.startswith("lmcache_mp_lookup_hit_tokens_total")]
+    assert hits and float(hits[0].split()[-1]) > 0, "no KV hits after the KV server restart"
+
+
+def test_logs_show_each_unit(box):
+    r = box.run(["/usr/local/bin/pdctl", "logs"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    for ident in ("pd-kvcache", "pd-proxy", "pd-worker@prefill-0", "pd-worker@decode-0"):
+        assert ident in r.stdout, ident
+
+
+def test_stop_target_stops_everything(box):
+    box.systemctl("stop", "pd.target", check=True, timeout=120)
+    for u in ("pd-kvcache.service", "pd-proxy.service", "pd-worker@prefill-0.service", "pd-worker@decode-2.service"):
+        assert box.show(u, "ActiveState")["ActiveState"] in ("inactive", "failed"), u
+
+
+def test_uninstall_and_purge(box):
+    r = install(box, "--uninstall")
+    assert r.returncode == 0, r.stderr
+    assert nothing_installed(box) == ["/etc/pdctl/plan.json"] or nothing_installed(box) == []
+    assert box.host_path("/etc/pdctl/pdctl.toml").exists(), "settings are kept without --purge"
+    assert not box.host_path("/opt/pdctl").exists() and not box.host_path("/usr/local/bin/pdctl").exists()
+    r = box.run(["bash", str(REPO / "install.sh"), "--uninstall", "--purge"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not box.host_path("/etc/pdctl").exists() and not box.host_path("/var/lib/pdctl").exists()
+    assert nothing_installed(box) == []
+    print("timings", TIMINGS)
