@@ -20,6 +20,7 @@ FEATURE_MODULES = (
     "appliance.collector.cli",
     "appliance.launcher.cli",
     "appliance.demo",
+    "appliance.bench.cli",
 )
 
 

@@ -61,6 +61,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "max_num_batched_tokens": Key(int, 32768, "vLLM --max-num-batched-tokens", "pos"),
         "kv_cache_bytes_cpu": Key(int, 256 * 1024**2, "CPU engines: KV cache bytes per engine", "pos"),
         "served_model_name": Key(str, "", "name clients use in 'model' ('' = derived from the model)"),
+        "kv_connector": Key(bool, True, "connect workers to the KV server (false: decoders re-prefill; for "
+                                        "comparisons only)"),
+        "extra_engine_args": Key(list, [], "extra engine flags appended to every worker's argv, e.g. "
+                                           "[\"--load-format\", \"dummy\"]"),
     },
     "workload": {
         "input_len": Key(int, 7869, "typical prompt tokens (seed P50)", "pos"),
@@ -123,10 +127,12 @@ def _check(path: Path | str, dotted: str, spec: Key, value: Any) -> Any:
     t = spec.type
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if isinstance(value, bool) or not isinstance(value, t):
+    if (isinstance(value, bool) and t is not bool) or not isinstance(value, t):
         raise _err(path, dotted, f"expected {t.__name__}, got {type(value).__name__} {value!r}")
-    if t is list and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if dotted.endswith("gpu_indices") and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise _err(path, dotted, f"expected a list of GPU indices (integers), got {value!r}")
+    if dotted.endswith("extra_engine_args") and not all(isinstance(v, str) for v in value):
+        raise _err(path, dotted, f"expected a list of strings (argv items), got {value!r}")
     c = spec.check
     if c == "port" and not 1 <= value <= 65535:
         raise _err(path, dotted, f"port {value} out of range 1..65535")
@@ -158,8 +164,16 @@ def _parse_env(raw: str, spec: Key, name: str) -> Any:
             return int(raw)
         if spec.type is float:
             return float(raw)
-        if spec.type is list:
+        if spec.type is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if spec.type is list and name.endswith("GPU_INDICES"):
             return [int(x) for x in raw.split(",") if x.strip()]
+        if spec.type is list:
+            return raw.split()
     except ValueError:
         raise ConfigError(f"environment {name}: expected {spec.type.__name__}, got {raw!r}") from None
     return raw

@@ -104,5 +104,20 @@ PROXY_PD_SKIPPED = "pdctl_proxy_pd_skipped"             # counter {reason}
 PROXY_RETRIES = "pdctl_proxy_retries"
 PROXY_KV_WAIT = "pdctl_proxy_kv_store_wait"             # counter {outcome}
 
+# --- fleet: several boxes behind vllm-router (PyPI vllm-router, Rust) --------------------------------
+ROUTER_UNIT = "pd-router.service"
+ROUTER_PACKAGE = "vllm-router"
+ROUTER_VERSION = "0.1.17"               # every router flag pdctl emits was read from this version's --help
+ROUTER_PORT = 30000                     # vllm-router's own default; the front node's OpenAI endpoint
+ROUTER_METRICS_PORT = 29000             # vllm-router's Prometheus listener (loopback by default)
+FLEET_PLAN = ETC_DIR / "fleet.json"
+BOX_STATUS_PATH = "/pdctl/status"       # a box's read-only status (internal port; public only when enabled)
+ROUTER_WORKER_HEALTH = "vllm_router_worker_health"            # gauge {worker}
+ROUTER_CB_STATE = "vllm_router_cb_state"                      # gauge {worker}: 0 closed, 1 open, 2 half-open
+ROUTER_PROCESSED = "vllm_router_processed_requests_total"     # counter {worker}
+ROUTER_RUNNING = "vllm_router_running_requests"               # gauge {worker}
+ROUTER_RETRIES = "vllm_router_retries_total"                  # counter {route}
+ROUTER_PREFIX_DECISIONS = "vllm_router_prefix_routing_decisions_total"  # counter {policy,stage,outcome}
+
 # --- environment -----------------------------------------------------------------------------------
 ENV_PREFIX = "PDCTL_"

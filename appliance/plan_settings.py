@@ -24,7 +24,7 @@ def planner_inputs(s: Settings) -> tuple[Workload, Overrides]:
         proxy_host=px["host"], proxy_port=ports["proxy"], proxy_internal_port=ports["proxy_internal"],
         kv_zmq_port=ports["kv_zmq"], kv_http_port=ports["kv_http"], prefill_port_base=ports["prefill_base"],
         decode_port_base=ports["decode_base"], policy=px["policy"], heartbeat_s=kv["heartbeat_s"],
-        kv_server=kv["kind"])
+        kv_server=kv["kind"], kv_connector=p["kv_connector"], extra_engine_args=tuple(p["extra_engine_args"]))
     return work, ov
 
 

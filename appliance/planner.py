@@ -63,7 +63,8 @@ class Overrides:
     twin_hardware: str = ""        # hardware profile for twin engines ("" = from the GPU name)
     run_dir: str = str(C.RUN_DIR)  # twin engines write their GPU samples under <run_dir>/twin
     twin_time_scale: float = 1.0   # twin engines: >1 runs the simulated clock faster (demo, tests)
-    extra: dict = field(default_factory=dict)
+    kv_connector: bool = True      # False: no --kv-transfer-config (decoders re-prefill; comparisons only)
+    extra_engine_args: tuple = ()  # appended to every vLLM worker's argv (e.g. --load-format dummy)
 
 
 # --- memory rules ------------------------------------------------------------------------------------
@@ -199,10 +200,12 @@ def _vllm_argv(role: str, port: int, tp: int, model: ModelProfile, served: str, 
                  "--max-model-len", str(min(work.max_model_len, model.max_context)),
                  "--block-size", str(ov.block_size)]
     argv += ["--max-num-seqs", str(ov.max_num_seqs), "--max-num-batched-tokens", str(ov.max_num_batched_tokens)]
-    argv += ["--kv-transfer-config", kv_transfer_config(fl, role, kv_port, ov.heartbeat_s, ov.mq_timeout_s)]
-    if fl.hma_flag:
-        argv.append("--disable-hybrid-kv-cache-manager")
+    if ov.kv_connector:
+        argv += ["--kv-transfer-config", kv_transfer_config(fl, role, kv_port, ov.heartbeat_s, ov.mq_timeout_s)]
+        if fl.hma_flag:
+            argv.append("--disable-hybrid-kv-cache-manager")
     argv += list(fl.quiet_access_log)
+    argv += list(ov.extra_engine_args)
     return tuple(argv)
 
 
@@ -240,7 +243,7 @@ def _worker_env(role: str, gpus: list[GPU], ov: Overrides, version: str, proxy: 
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if ov.engine == "vllm-cpu" and cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_list(cpus)
-    if role == "prefill":
+    if role == "prefill" and ov.kv_connector:
         env["LMCACHE_REQUEST_TELEMETRY_TYPE"] = "fastapi"
         env["LMCACHE_REQUEST_TELEMETRY_ENDPOINT"] = proxy.telemetry_url
     return env
@@ -407,6 +410,9 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
         workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=tuple(grp), port=port, argv=argv,
                                   env=env, tp=tp, gpu_uuids=tuple(g.uuid for g in ggpus), cpus=cpus))
     kv = _kv_plan(inv, len(workers), len(workers) * tp, ov, reasons, cpu_engine=False)
+    if not ov.kv_connector:
+        reasons.append("workers are NOT connected to the KV server (kv_connector = false): decoders recompute "
+                       "every prompt; use this only to measure what the shared KV cache buys")
     if mode == "disaggregated":
         reasons.append(f"proxy on {ov.proxy_host}:{ov.proxy_port} (the only non-loopback port); LMCache request "
                        f"telemetry to {proxy.telemetry_url} tells it when a prefill's KV is stored")

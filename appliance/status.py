@@ -25,7 +25,10 @@ def secs(v: Any) -> str:
 
 
 def gib(v: Any) -> str:
-    return "NA" if is_na(v) else f"{v / GiB:.1f}G"
+    if is_na(v):
+        return "NA"
+    g = v / GiB
+    return f"{g:.0f}G" if g >= 10 else f"{g:.1f}G"
 
 
 def duration(v: Any) -> str:
@@ -39,9 +42,12 @@ def duration(v: Any) -> str:
 
 
 def unit_text(st: UnitState) -> str:
+    """Short unit state: active, failed, inactive, restarting (auto-restart), starting, stopping."""
     if is_na(st.active):
         return "NA"
-    return st.active if st.sub in ("running", "dead", "failed") or is_na(st.sub) else f"{st.active}/{st.sub}"
+    if st.sub == "auto-restart":
+        return "restarting"
+    return {"activating": "starting", "deactivating": "stopping"}.get(st.active, st.active)
 
 
 def text(v: Any) -> str:

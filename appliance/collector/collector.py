@@ -20,7 +20,7 @@ from appliance.inventory import NA, is_na
 from . import names as N
 from .gpus import GpuSampler, NoGpus, default_sampler
 from .rates import Window, quantile, ratio, sum_values
-from .scrape import Fetched, Metrics, fetch, parse_json, parse_metrics
+from .scrape import Fetched, Fetcher, Metrics, parse_json, parse_metrics
 from .snapshot import (GpuProcess, GpuSample, KVLayers, KVServerStatus, ProxyStatus, Snapshot, Traffic,
                        UnitState, WorkerStatus, na_unit)
 from .units import SystemctlUnits, UnitSource
@@ -29,7 +29,10 @@ PROXY_STATUS_PATH = "/pdctl/status"
 BREAKER_BY_VALUE = {0: "closed", 1: "open", 2: "half_open"}   # the proxy's backend_state gauge encoding
 HISTORY_SERIES = ("ttft_p50", "ttft_p95", "kv_hit", "req_per_s", "gen_tps")
 
-_W_WANTED = N.all_names(N.VLLM)
+# only what a tick reads: every parsed line costs CPU (the engines' own TTFT is not user TTFT under PD)
+_W_LOGICAL = ("running", "waiting", "kv_usage", "prefix_queries", "prefix_hits", "ext_queries", "ext_hits",
+              "prompt_tokens", "gen_tokens", "preemptions")
+_W_WANTED = N.all_names({k: N.VLLM[k] for k in _W_LOGICAL})
 _K_WANTED = N.all_names(N.LMCACHE)
 _P_WANTED = N.all_names(N.PROXY)
 
@@ -60,7 +63,7 @@ class Collector:
                  units: Optional[UnitSource] = None, window_s: float = 10.0, timeout_s: float = 0.5,
                  slo_ttft_s: Optional[float] = None, history_len: int = 120, max_parallel: int = 8):
         self.plan = plan
-        self.sampler = gpu_sampler if gpu_sampler is not None else default_sampler(plan.engine)
+        self.sampler = gpu_sampler if gpu_sampler is not None else default_sampler(plan)
         self.interval = interval
         self.units = units if units is not None else SystemctlUnits()
         self.timeout_s = timeout_s
@@ -68,6 +71,7 @@ class Collector:
         self.slo_ttft_s = slo_ttft_s
         self._history = {k: deque(maxlen=history_len) for k in HISTORY_SERIES}
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="pdctl-scrape")
+        self._fetch = Fetcher(timeout_s)
         self._tick = 0
         self._latest: Optional[Snapshot] = None
         self._lock = threading.Lock()
@@ -87,7 +91,12 @@ class Collector:
         if self._thread is not None:
             self._thread.join(timeout=self.interval + 5 * self.timeout_s + 2)
             self._thread = None
+        self.close()
+
+    def close(self) -> None:
+        """Release the scrape threads, keep-alive connections and the GPU sampler."""
         self._pool.shutdown(wait=False)
+        self._fetch.close()
         self.sampler.close()
 
     def latest(self) -> Optional[Snapshot]:
@@ -121,7 +130,7 @@ class Collector:
         for w in plan.workers:
             urls[f"w_health:{w.instance}"] = w.url() + "/health"
             urls[f"w_metrics:{w.instance}"] = w.url() + "/metrics"
-        futures = {k: self._pool.submit(fetch, u, self.timeout_s) for k, u in urls.items()}
+        futures = {k: self._pool.submit(self._fetch, u) for k, u in urls.items()}
         unit_names = [C.KV_UNIT, C.PROXY_UNIT] + [w.unit for w in plan.workers]
         try:
             states = self.units.states(unit_names)
@@ -437,8 +446,7 @@ def collect_once(plan: Any, gpu_sampler: Optional[GpuSampler] = None, *, units: 
             snap = c.tick()
         return snap
     finally:
-        c._pool.shutdown(wait=False)
-        c.sampler.close()
+        c.close()
 
 
 __all__ = ["Collector", "collect_once", "NoGpus"]

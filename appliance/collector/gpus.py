@@ -188,30 +188,34 @@ class CallableSampler:
 
 
 def twin_sampler(**kwargs: Any) -> Union[GpuSampler, NoGpus]:
-    """The twin's GPUs through ``appliance.twin.gpus`` when that module is present.
+    """The twin's GPUs through ``appliance.twin.gpus.sample(**kwargs)`` (``state_dir``, ``inventory``).
 
-    It may expose a ``sampler(**kw)`` factory returning an object with ``sample()``, or a ``sample()``
-    function; either is adapted. Without it the GPU table is NA with the reason.
+    The twin engines write NVML-shaped JSON state files; ``sample`` reads them (idle GPUs included when an
+    inventory is given). Without that module the GPU table is NA with the reason.
     """
     try:
         from appliance.twin import gpus as twin_gpus  # type: ignore[attr-defined]
     except ImportError as e:
         return NoGpus(f"twin GPU sampler unavailable ({e})", source="twin")
-    factory = getattr(twin_gpus, "sampler", None)
-    if callable(factory):
-        obj = factory(**kwargs)
-        if hasattr(obj, "sample"):
-            return CallableSampler(obj.sample, source="twin")
     fn = getattr(twin_gpus, "sample", None)
-    if callable(fn):
-        return CallableSampler(fn, source="twin")
-    return NoGpus("appliance.twin.gpus exposes neither sampler() nor sample()", source="twin")
+    if not callable(fn):
+        return NoGpus("appliance.twin.gpus has no sample()", source="twin")
+    return CallableSampler(lambda: fn(**kwargs), source="twin")
 
 
-def default_sampler(engine: str) -> Union[GpuSampler, NoGpus]:
+def default_sampler(plan: Any) -> Union[GpuSampler, NoGpus]:
     """NVML for real engines, the twin's samples for twin stacks, nothing for CPU engines."""
+    engine = getattr(plan, "engine", plan)
     if engine == "twin":
-        return twin_sampler()
+        inventory = None
+        src = getattr(plan, "inventory_source", "") or ""
+        if src.startswith(("twin:", "fake:")):
+            try:
+                from appliance.inventory import detect
+                inventory = detect(src)
+            except Exception:  # noqa: BLE001 - without the inventory only GPUs with state files show
+                inventory = None
+        return twin_sampler(inventory=inventory)
     if engine == "vllm-cpu":
         return NoGpus("CPU engine: no GPUs in this plan", source="none")
     return NvmlSampler()

@@ -39,8 +39,8 @@ def setup_logging() -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=str(CONFIG_PATH),
-                   help=f"pdctl.toml, or a Plan JSON file (*.json) (default: {CONFIG_PATH})")
+    p.add_argument("--plan", "--config", dest="config", default=None, metavar="PATH",
+                   help=f"plan.json, or the pdctl.toml next to it (default: {CONFIG_PATH.parent}/plan.json)")
     p.add_argument("--load-timeout", type=float, default=None, metavar="S",
                    help="fail the start when /health is not 200 after S seconds (default 1800)")
     p.add_argument("--gpu-wait", type=float, default=None, metavar="S",
@@ -96,11 +96,11 @@ def cmd_worker_run(args) -> int:
         return _err(str(exc))
     names = [w.instance for w in plan.workers]
     if args.instance not in names:
-        return _err(f"{args.config}: no worker {args.instance!r} in the plan (have: {', '.join(names) or 'none'}). "
+        return _err(f"{args.config or 'plan'}: no worker {args.instance!r} in the plan (have: {', '.join(names) or 'none'}). "
                     f"Check the unit instance name (`systemctl list-units 'pd-worker@*'`).")
     w = plan.worker(args.instance)
     if not w.argv:
-        return _err(f"{args.config}: worker {args.instance!r} has an empty argv; re-run `pdctl install`.")
+        return _err(f"{args.config or 'plan'}: worker {args.instance!r} has an empty argv; run `pdctl apply`.")
     return _run(specmod.worker_spec(plan, w, _timing(args)))
 
 
@@ -112,13 +112,5 @@ def cmd_kvserver_run(args) -> int:
     except specmod.PlanError as exc:
         return _err(str(exc))
     if not plan.kv_server.argv:
-        return _err(f"{args.config}: the KV server has an empty argv; re-run `pdctl install`.")
+        return _err(f"{args.config or 'plan'}: the KV server has an empty argv; run `pdctl apply`.")
     return _run(specmod.kvserver_spec(plan, _timing(args)))
-
-
-def main(argv: list | None = None) -> int:
-    """Stand-alone entry (``python -m appliance.launcher``) with the same verbs as pdctl."""
-    parser = argparse.ArgumentParser(prog="pdctl-launcher")
-    register(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)

@@ -76,6 +76,15 @@ def nvml_reader() -> "tuple[Reader | None, str]":
     return read, ""
 
 
+def nvml_close() -> None:
+    """Release NVML once the wait is over (the launcher then lives for days without needing it)."""
+    try:
+        import pynvml
+        pynvml.nvmlShutdown()
+    except Exception:  # not initialised, or no library: nothing to release
+        pass
+
+
 def _busy(uses: Sequence[GpuUse], fraction: float) -> list:
     return [u for u in uses if u.used_bytes > (1.0 - fraction) * u.total_bytes]
 

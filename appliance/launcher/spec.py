@@ -33,23 +33,15 @@ def kvserver_spec(plan: Plan, timing: Timing | None = None, base_env: dict | Non
 
 
 class PlanError(ValueError):
-    """The plan cannot be loaded or lacks what was asked for; the text says what and how to fix it."""
+    """The plan cannot be loaded; the text says which file, what is wrong and how to fix it."""
 
 
-def load(path: str) -> Plan:
-    """Read the plan: a Plan JSON file (``*.json``, e.g. from ``pdctl plan --json``) or the pdctl.toml."""
-    import json
-    from pathlib import Path
-    p = Path(path)
-    if not p.exists():
-        raise PlanError(f"{p}: no such file. Run `pdctl install` (or pass --config PATH).")
-    if p.suffix == ".json":
-        try:
-            return Plan.from_json(json.loads(p.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise PlanError(f"{p}: not a valid plan JSON: {type(exc).__name__}: {exc}") from exc
-    from .. import config  # lazy: only this path needs the TOML loader
+def load(path: str | None) -> Plan:
+    """The installed Plan (``plan.json``, or the one next to a given ``pdctl.toml``); see config.load_plan."""
+    from .. import config  # lazy: the launcher's own modules stay importable without the config layer
     try:
-        return config.load_plan(p)
-    except Exception as exc:  # the config module's own errors already say file:key
-        raise PlanError(f"{p}: {exc}") from exc
+        return config.load_plan(path)
+    except config.ConfigError as exc:
+        raise PlanError(str(exc)) from exc
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read the plan: {exc}") from exc

@@ -20,22 +20,38 @@ from typing import Callable
 
 from .. import sdnotify
 from . import health as healthmod
-from .gpufree import GpuWait, memory_fraction, nvml_reader, wait_free
+from .gpufree import GpuWait, memory_fraction, nvml_close, nvml_reader, wait_free
 
 log = logging.getLogger("pdctl.launcher")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the engine, before exec: SIGTERM it if the launcher dies (kill -9, watchdog abort), so no
+    engine outlives its unit's main process holding the GPU and the port until systemd's final SIGKILL."""
+    parent = os.getppid()
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:   # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass(frozen=True)
 class Timing:
     probe_timeout_s: float = 2.0       # short: vLLM binds its port before the model is loaded
-    load_probe_s: float = 1.0          # probe cadence while loading
+    load_probe_s: float = 1.0          # probe cadence while loading (5x faster in the first 5 s: twin
+                                       # engines and small models are up within a second or two)
     serve_probe_s: float = 5.0         # probe cadence once ready (also bounded by the watchdog period)
     extend_step_s: float = 30.0        # each EXTEND_TIMEOUT_USEC asks for this much more time
     load_timeout_s: float = 1800.0     # give up (stop the engine, exit 1) when not healthy by then
     stop_grace_s: float = 60.0         # SIGKILL the group if it ignores the forwarded signal this long
     gpu_wait_s: float = 120.0          # how long to wait for the previous process's GPU memory
+    gpu_poll_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,13 @@ def child_env(spec_env: dict, base: dict | None = None) -> dict:
     return env
 
 
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
 def _signal_group(pgid: int, sig: int) -> bool:
     try:
         os.killpg(pgid, sig)
@@ -94,7 +117,8 @@ def wait_for_gpus(spec: EngineSpec, reader=None) -> GpuWait:
         return GpuWait(True, 0.0, f"GPU memory wait skipped: {spec.gpu_check}")
     if not spec.gpus:
         return GpuWait(True, 0.0, "GPU memory wait skipped: the engine uses no GPU")
-    if reader is None:
+    own = reader is None
+    if own:
         reader, why = nvml_reader()
         if reader is None:
             return GpuWait(True, 0.0, f"GPU memory wait skipped: {why}")
@@ -106,7 +130,12 @@ def wait_for_gpus(spec: EngineSpec, reader=None) -> GpuWait:
         if waited - last_extend[0] >= spec.timing.extend_step_s / 2 or last_extend[0] == 0.0:
             sdnotify.extend_timeout(spec.timing.extend_step_s)
             last_extend[0] = waited or 1e-9
-    return wait_free(spec.gpus, fraction, reader, timeout_s=spec.timing.gpu_wait_s, on_wait=on_wait)
+    try:
+        return wait_free(spec.gpus, fraction, reader, timeout_s=spec.timing.gpu_wait_s,
+                         poll_s=spec.timing.gpu_poll_s, on_wait=on_wait)
+    finally:
+        if own:
+            nvml_close()
 
 
 def run(spec: EngineSpec, probe: Callable[[str, float], healthmod.Probe] = healthmod.probe) -> int:
@@ -124,15 +153,23 @@ def run(spec: EngineSpec, probe: Callable[[str, float], healthmod.Probe] = healt
     def forward(signum, _frame):
         if not state.stop_signal:
             state.stop_signal, state.stop_at = signum, time.monotonic()
-            sdnotify.stopping(f"stopping ({signal.Signals(signum).name} forwarded to the engine)")
+            sdnotify.stopping(f"stopping ({_signame(signum)} forwarded to the engine)")
         if group[0]:
             _signal_group(group[0], signum)
+
+    def watchdog_abort(signum, _frame):
+        # systemd's WatchdogSignal: the engine is wedged, so it gets no grace; then abort as asked
+        if group[0]:
+            _signal_group(group[0], signal.SIGKILL)
+        signal.signal(signum, signal.SIG_DFL)
+        exit_like(-signum)
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    previous[signal.SIGABRT] = signal.signal(signal.SIGABRT, watchdog_abort)
 
     sdnotify.status(f"{spec.loading}, starting {os.path.basename(spec.argv[0])}")
     try:
         child = subprocess.Popen(list(spec.argv), env=spec.env, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+                                 start_new_session=True, preexec_fn=_die_with_parent)
     except OSError as exc:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -172,14 +209,15 @@ def run(spec: EngineSpec, probe: Callable[[str, float], healthmod.Probe] = healt
             if state.stop_signal:
                 if not state.killed and now - state.stop_at > t.stop_grace_s:
                     log.warning("%s: engine ignored %s for %.0f s; killing its process group", spec.name,
-                                signal.Signals(state.stop_signal).name, t.stop_grace_s)
+                                _signame(state.stop_signal), t.stop_grace_s)
                     _signal_group(pgid, signal.SIGKILL)
                     state.killed = True
                 continue
             if now >= next_probe:
                 p = probe(spec.health_url, t.probe_timeout_s)
                 now = time.monotonic()
-                next_probe = now + (serve_probe if ready else t.load_probe_s)
+                next_probe = now + (serve_probe if ready else
+                                    t.load_probe_s / 5 if now - t0 < 5 else t.load_probe_s)
                 if p.ok:
                     last_healthy = now
                     if not ready:
@@ -224,7 +262,7 @@ def run(spec: EngineSpec, probe: Callable[[str, float], healthmod.Probe] = healt
             signal.signal(s, h)
         _reap_group(pgid)
 
-    how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"status {rc}"
+    how = f"signal {_signame(-rc)}" if rc < 0 else f"status {rc}"
     if state.stop_signal:
         log.info("%s: engine stopped (%s)", spec.name, how)
     else:

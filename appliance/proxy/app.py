@@ -1,19 +1,17 @@
 """The proxy server: public OpenAI routes on one port, telemetry/status on a loopback-only internal port.
 
-aiohttp server and client on uvloop, picked by ``benchmarks/proxy_overhead.py``. Handlers are cancelled
-when the client goes away (``handler_cancellation``), which closes the upstream legs with them.
+Lean HTTP/1.1 server (``server``) and client (``upstream``) on uvloop, picked by
+``benchmarks/proxy_overhead.py``. A client that goes away cancels its handler, which closes the legs.
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import logging
 import time
 from collections import Counter
-
-import aiohttp
-from aiohttp import web
 
 from .. import constants as C
 from .backends import Backend
@@ -24,35 +22,39 @@ from .legs import DecodeStream, Legs, Passthrough, decode_body
 from .metrics import ProxyMetrics
 from .routing import POLICIES, SKIP_NO_PREFILLER, PrefixIndex, affinity_key
 from .scrape import Watcher
+from .server import LeanServer, Request, Response
 from .telemetry import StoreWaiter, new_request_id
+from .upstream import UpstreamError
 from .validate import CHAT, COMPLETIONS, parse
 
 log = logging.getLogger("pdctl.proxy")
-_ROUTES = {"/v1/completions": (COMPLETIONS, "/v1/completions"),
-           "/v1/chat/completions": (CHAT, "/v1/chat/completions")}
+_GEN_PATHS = ("/v1/completions", "/v1/chat/completions")
+_KNOWN_GET = ("/v1/models", "/health", "/ready", "/metrics")
 _SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
-def _json(obj, status: int = 200) -> web.Response:
-    return web.Response(body=json.dumps(obj).encode(), status=status, content_type="application/json")
+def _json(obj, status: int = 200) -> Response:
+    return Response(json.dumps(obj).encode(), status)
 
 
-def error_response(err: ProxyError, request_id: str | None = None) -> web.Response:
-    r = web.Response(body=err.body(), status=err.status, content_type="application/json")
-    if request_id:
-        r.headers["X-Request-Id"] = request_id
-    return r
+def error_response(err: ProxyError, request_id: str | None = None) -> Response:
+    return Response(err.body(), err.status, {"X-Request-Id": request_id} if request_id else None)
+
+
+def _error_body(status: int, message: str, code: str) -> bytes:
+    kind = "invalid_request_error" if status < 500 else "internal_error"
+    return ProxyError(status, message, kind, code).body()
 
 
 def _client_request_id(request) -> str | None:
-    v = request.headers.get("X-Request-Id")
+    v = request.headers.get("x-request-id")
     if v and len(v) <= 128 and v.isprintable() and v.isascii():
         return v
     return None
 
 
 class ProxyServer:
-    """Owns the state every module reads: config, backends, policy, sessions, metrics, telemetry waiter."""
+    """Owns the state every module reads: config, backends, policy, metrics, telemetry waiter."""
 
     def __init__(self, cfg: ProxyConfig):
         if cfg.policy not in POLICIES:
@@ -69,13 +71,18 @@ class ProxyServer:
         self.legs = Legs(self)
         self.watcher = Watcher(self)
         self.started = time.monotonic()
+        self.started_wall = int(time.time())
         self.canary = {"ok": False, "at": None, "last_ok": None, "error": "no canary has run yet", "ms": None}
-        self.session: aiohttp.ClientSession | None = None
-        self.probe_session: aiohttp.ClientSession | None = None
-        self._runners: list = []
+        self._servers: list = []
         self._tasks: list = []
         self.public_port = cfg.port
         self.internal_port = cfg.internal_port
+        self._public = {("GET", "/health"): self.h_health, ("GET", "/ready"): self.h_ready,
+                        ("GET", "/metrics"): self.h_metrics, ("GET", "/v1/models"): self.h_models,
+                        ("POST", "/v1/completions"): self.h_completions,
+                        ("POST", "/v1/chat/completions"): self.h_chat}
+        self._internal = {("POST", C.TELEMETRY_PATH): self.h_telemetry, ("GET", "/pdctl/status"): self.h_status,
+                          ("GET", "/health"): self.h_health, ("GET", "/metrics"): self.h_metrics}
 
     # ----- shared helpers --------------------------------------------------------------------------
     def backend_headers(self) -> dict:
@@ -100,48 +107,38 @@ class ProxyServer:
 
     # ----- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
-        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-        self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False,
-                                             timeout=aiohttp.ClientTimeout(total=None))
-        self.probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                                   timeout=aiohttp.ClientTimeout(total=5))
+        for b in self.backends:
+            b.pool.connect_timeout_s = b.probe_pool.connect_timeout_s = self.cfg.connect_timeout_s
         self.watcher.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._canary_loop()))
-        pub = web.Application(client_max_size=self.cfg.max_body_bytes + 1)
-        pub.router.add_get("/health", self.h_health)
-        pub.router.add_get("/ready", self.h_ready)
-        pub.router.add_get("/metrics", self.h_metrics)
-        pub.router.add_get("/v1/models", self.h_models)
-        pub.router.add_post("/v1/completions", self.h_completions)
-        pub.router.add_post("/v1/chat/completions", self.h_chat)
-        pub.router.add_route("*", "/{tail:.*}", self.h_unknown)
-        self.public_port = await self._listen(pub, self.cfg.host, self.cfg.port)
+        self.public_port = await self._listen(self._public, self.cfg.host, self.cfg.port, self.cfg.max_body_bytes)
         if self.cfg.internal_port is not None and self.cfg.internal_port >= 0:
-            internal = web.Application(client_max_size=4 * 1024 * 1024)
-            internal.router.add_post(C.TELEMETRY_PATH, self.h_telemetry)
-            internal.router.add_get("/pdctl/status", self.h_status)
-            internal.router.add_get("/health", self.h_health)
-            internal.router.add_get("/metrics", self.h_metrics)
-            self.internal_port = await self._listen(internal, self.cfg.internal_host, self.cfg.internal_port)
+            self.internal_port = await self._listen(self._internal, self.cfg.internal_host, self.cfg.internal_port,
+                                                    4 * 1024 * 1024)
+        gc.collect()
+        gc.freeze()   # long-lived objects out of the collector's way: fewer pauses on the data path
 
-    async def _listen(self, app: web.Application, host: str, port: int) -> int:
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, backlog=2048, reuse_address=True)
-        await site.start()
-        self._runners.append(runner)
-        return runner.addresses[0][1]
+    async def _listen(self, routes: dict, host: str, port: int, max_body: int) -> int:
+        unknown = self.h_unknown
+
+        def dispatch(request):
+            return routes.get((request.method, request.path), unknown)(request)
+
+        srv = LeanServer(dispatch, _error_body, max_body)
+        real = await srv.start(host, port)
+        self._servers.append(srv)
+        return real
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.watcher.stop()
-        for r in self._runners:
-            await r.cleanup()
-        for s in (self.session, self.probe_session):
-            if s is not None:
-                await s.close()
+        for s in self._servers:
+            await s.stop()
+        for b in self.backends:
+            b.pool.close()
+            b.probe_pool.close()
 
     # ----- small routes -----------------------------------------------------------------------------
     async def h_health(self, request):
@@ -161,12 +158,12 @@ class ProxyServer:
 
     async def h_metrics(self, request):
         self.metrics.set_backend_states(self.backends)
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+        return Response(self.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _authorized(self, request) -> bool:
         if not self.cfg.api_key:
             return True
-        got = request.headers.get("Authorization", "")
+        got = request.headers.get("authorization", "")
         return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode("utf-8", "replace"),
                                                                  self.cfg.api_key.encode())
 
@@ -180,41 +177,44 @@ class ProxyServer:
         if not models:
             return error_response(unavailable("no backend answered GET /v1/models; check `pdctl status`",
                                               "no_models"))
-        data = [{"id": k, "object": "model", "created": int(self.started), "owned_by": "pdctl",
+        data = [{"id": k, "object": "model", "created": self.started_wall, "owned_by": "pdctl",
                  **({"max_model_len": v} if v else {})} for k, v in sorted(models.items())]
         return _json({"object": "list", "data": data})
 
     async def h_unknown(self, request):
-        if request.path in _ROUTES or request.path in ("/v1/models", "/health", "/ready", "/metrics"):
+        if request.path in _GEN_PATHS or request.path in _KNOWN_GET:
             return error_response(ProxyError(405, f"{request.method} is not allowed on {request.path}",
                                              "invalid_request_error", "method_not_allowed"))
         return error_response(NOT_FOUND)
 
     async def h_telemetry(self, request):
         try:
-            event = await request.json()
-        except (ValueError, UnicodeDecodeError):
+            event = json.loads(request.body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return error_response(bad_request("telemetry body is not JSON", code="invalid_json"))
         notified, total = self.waiter.handle(event)
         return _json({"status": "ok", "notified": notified, "total": total})
 
-    async def h_status(self, request):
+    def status(self) -> dict:
         ok, why = self.readiness()
-        kv = {k.split(":", 1)[1]: v for k, v in self.counts.items() if k.startswith("kv_wait:")}
-        return _json({
+        c = self.counts
+        return {
             "policy": self.policy.name, "uptime_s": round(time.monotonic() - self.started, 1),
-            "ready": ok, "ready_reason": why, "canary": {k: v for k, v in self.canary.items()
-                                                         if k not in ("at", "last_ok")},
-            "inflight": sum(v for k, v in self.counts.items() if k == "inflight"),
+            "ready": ok, "ready_reason": why,
+            "canary": {k: v for k, v in self.canary.items() if k not in ("at", "last_ok")},
+            "inflight": c.get("inflight", 0),
             "backends": [b.status() for b in self.backends],
-            "requests": {k: v for k, v in self.counts.items() if ":" in k and not k.startswith(("kv_wait:",
-                                                                                               "skip:"))},
-            "pd_skipped": {k.split(":", 1)[1]: v for k, v in self.counts.items() if k.startswith("skip:")},
-            "kv_wait": kv, "retries": self.counts.get("retries", 0),
+            "requests": {k: v for k, v in c.items() if ":" in k and not k.startswith(("kv_wait:", "skip:"))},
+            "pd_skipped": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("skip:")},
+            "kv_wait": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("kv_wait:")},
+            "retries": c.get("retries", 0),
             "telemetry": {"events": self.waiter.events, "matched": self.waiter.matched,
                           "unmatched": self.waiter.unmatched},
             "models": self.known_models(),
-        })
+        }
+
+    async def h_status(self, request):
+        return _json(self.status())
 
     # ----- generation -------------------------------------------------------------------------------
     async def h_completions(self, request):
@@ -223,24 +223,13 @@ class ProxyServer:
     async def h_chat(self, request):
         return await self._generate(request, "/v1/chat/completions", CHAT)
 
-    async def _generate(self, request, path: str, kind: str):
+    async def _generate(self, request: Request, path: str, kind: str):
         t0 = time.monotonic()
         crid = _client_request_id(request)
         if not self._authorized(request):
             self._count(kind, "unauthorized")
             return error_response(UNAUTHORIZED, crid)
-        limit = self.cfg.max_body_bytes
-        too_big = ProxyError(413, f"request body is larger than the proxy's limit of {limit} bytes; shorten the "
-                                  "prompt or raise --max-body-bytes", "invalid_request_error", "body_too_large")
-        if request.content_length is not None and request.content_length > limit:
-            self._count(kind, "client_error")
-            return error_response(too_big, crid)
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self._count(kind, "client_error")
-            return error_response(too_big, crid)
-        parsed = parse(raw, kind, self.cfg.max_tokens_limit)
+        parsed = parse(request.body, kind, self.cfg.max_tokens_limit)
         if isinstance(parsed, ProxyError):
             self._count(kind, "client_error")
             return error_response(parsed, crid)
@@ -259,7 +248,7 @@ class ProxyServer:
         self.metrics.inflight.inc()
         self.counts["inflight"] += 1
         try:
-            return await self._serve(request, parsed, raw, path, kind, t0, crid)
+            return await self._serve(request, parsed, path, kind, t0, crid)
         except asyncio.CancelledError:
             self._count(kind, "client_disconnect")
             raise
@@ -267,7 +256,7 @@ class ProxyServer:
             self.metrics.inflight.dec()
             self.counts["inflight"] -= 1
 
-    async def _serve(self, request, parsed, raw: bytes, path: str, kind: str, t0: float, crid):
+    async def _serve(self, request, parsed, path: str, kind: str, t0: float, crid):
         m, cfg = self.metrics, self.cfg
         rid = new_request_id()
         echo = crid or rid
@@ -291,8 +280,7 @@ class ProxyServer:
             elif isinstance(pr, Passthrough):
                 self.waiter.discard(rid)
                 self._count(kind, "client_error" if pr.status < 500 else "upstream_error")
-                return web.Response(body=pr.body, status=pr.status, content_type=pr.content_type,
-                                    headers={"X-Request-Id": echo})
+                return Response(pr.body, pr.status, {"Content-Type": pr.content_type, "X-Request-Id": echo})
             else:
                 m.prefill.observe(pr.seconds)
                 if waiting and pr.backend.spec.telemetry:
@@ -309,8 +297,8 @@ class ProxyServer:
             m.pd_skipped.labels(skip).inc()
             self.counts["skip:" + skip] += 1
         route = "decode_only" if skip else "pd"
-        data = decode_body(raw, parsed.body, kv_params)
-        aff = affinity_key(request.headers.get("X-Session-Id"), parsed.prompt_text)
+        data = decode_body(request.body, parsed.body, kv_params)
+        aff = affinity_key(request.headers.get("x-session-id"), parsed.prompt_text)
         d = await self.legs.decode(path, data, rid, aff, parsed.stream)
         if isinstance(d, ProxyError):
             self._count(kind, "unavailable" if d.status == 503 else "upstream_error")
@@ -318,59 +306,67 @@ class ProxyServer:
         if isinstance(d, Passthrough):
             if d.status == 200:
                 dt = time.monotonic() - t0
-                m.ttft.labels(route).observe(dt)
-                m.e2e.labels(route).observe(dt)
+                m.ttft_path[route].observe(dt)
+                m.e2e_path[route].observe(dt)
                 self._count(kind, "ok")
             else:
                 self._count(kind, "client_error" if d.status < 500 else "upstream_error")
-            return web.Response(body=d.body, status=d.status, content_type=d.content_type,
-                                headers={"X-Request-Id": echo})
-        return await self._stream(request, d, kind, route, t0, echo)
+            return Response(d.body, d.status, {"Content-Type": d.content_type, "X-Request-Id": echo})
+        await self._stream(request, d, kind, route, t0, echo)
+        return None
 
-    async def _stream(self, request, d: DecodeStream, kind: str, route: str, t0: float, echo: str):
-        """Relay the D leg chunk by chunk; a failure after the first byte ends with an SSE error event."""
+    async def _stream(self, request: Request, d: DecodeStream, kind: str, route: str, t0: float, echo: str):
+        """Relay the D leg as it arrives; a failure after the first byte ends with an SSE error event."""
         m = self.metrics
-        up = d.resp
-        b = d.backend
+        conn, b = d.conn, d.backend
+        idle = self.cfg.idle_timeout_s
         b.inflight += 1
-        out = web.StreamResponse(headers={"Content-Type": up.headers.get("Content-Type", _SSE_TYPE),
-                                          "Cache-Control": "no-cache", "X-Request-Id": echo})
+        request.stream(200, {"Content-Type": d.content_type or _SSE_TYPE, "Cache-Control": "no-cache",
+                             "X-Request-Id": echo})
         outcome, clean = "ok", False
         try:
-            await out.prepare(request)
-            await out.write(d.first)
-            m.decode_first.observe(d.seconds)
-            m.ttft.labels(route).observe(time.monotonic() - t0)
             tail = d.first[-32:]
-            err = None
-            try:
-                async for chunk in up.content.iter_any():
-                    await out.write(chunk)
-                    tail = (tail + chunk)[-32:]
-            except (aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError, asyncio.TimeoutError,
-                    aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
-                err = f"{b.label}: the decode stream broke after the first byte ({type(e).__name__}: {str(e)[:120]})"
+            if conn.complete:            # the whole answer is already here: one write, end included
+                last, err = d.first, None
+            else:
+                await request.write(d.first)
+                last, err = None, None
+            m.decode_first.observe(d.seconds)
+            m.ttft_path[route].observe(time.monotonic() - t0)
+            while last is None:
+                try:
+                    data = await conn.read(idle)
+                except UpstreamError as e:
+                    err = f"the decode stream broke after the first byte ({e})"
+                    break
+                if not data:
+                    break
+                tail = (tail + data)[-32:]
+                if conn.complete:
+                    last = data
+                else:
+                    await request.write(data)
             if err is None and not tail.rstrip().endswith(b"[DONE]"):
-                err = f"{b.label}: the decode stream ended without [DONE]"
+                err = "the decode stream ended without [DONE]"
             if err is not None:
+                err = f"{b.label}: {err}"
                 b.record_failure(err)
                 outcome = "stream_error"
-                await out.write(ProxyError(502, err + "; the answer is incomplete", "upstream_error",
-                                           "stream_broken").sse())
+                ev = ProxyError(502, err + "; the answer is incomplete", "upstream_error", "stream_broken").sse()
+                last = ev if last is None else last + ev
             else:
                 clean = True
-            await out.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            await request.end(last or b"")
+        except (ConnectionResetError, BrokenPipeError):
             outcome = "client_disconnect"
         finally:
             b.inflight -= 1
             if clean:
-                up.release()
+                conn.release()
             else:
-                up.close()
+                conn.close()
         self._count(kind, outcome)
-        m.e2e.labels(route).observe(time.monotonic() - t0)
-        return out
+        m.e2e_path[route].observe(time.monotonic() - t0)
 
     # ----- readiness canary -------------------------------------------------------------------------
     async def canary_once(self) -> bool:
@@ -391,7 +387,7 @@ class ProxyServer:
         kv = None
         if self.policy.prefill:
             pr = await self.legs.prefill("/v1/completions", body, rid)
-            if isinstance(pr, ProxyError) or isinstance(pr, Passthrough):
+            if isinstance(pr, (ProxyError, Passthrough)):
                 why = pr.message if isinstance(pr, ProxyError) else f"prefill HTTP {pr.status}: {pr.body[:120]!r}"
                 self.canary.update(ok=False, error="P leg: " + why)
                 return False
@@ -410,8 +406,9 @@ class ProxyServer:
         while True:
             try:
                 ok = await self.canary_once()
-            except (aiohttp.ClientError, OSError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - the loop must outlive any one canary's failure
                 ok = False
                 self.canary.update(ok=False, error=f"{type(e).__name__}: {e}")
+                log.exception("canary failed")
             self.metrics.count("canary", "ok" if ok else "failed")
             await asyncio.sleep(self.cfg.canary_interval_s if ok else min(1.0, self.cfg.canary_interval_s))

@@ -1,15 +1,16 @@
 """Runtime state of one engine behind the proxy: breaker, in-flight count, scraped load, served models."""
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from .breaker import OPEN, Breaker
 from .config import BackendSpec
+from .upstream import Pool, UpstreamError
 
 
-@dataclass
+@dataclass(eq=False)
 class Backend:
     spec: BackendSpec
     breaker: Breaker
@@ -26,7 +27,14 @@ class Backend:
     models: dict = field(default_factory=dict)   # model id -> max_model_len (or None)
     requests: int = 0
     failures: int = 0
-    _tripped: asyncio.Future | None = None
+    pool: Pool | None = None           # request traffic
+    probe_pool: Pool | None = None     # health probes and scrapes, never queued behind requests
+    pending: set = field(default_factory=set)    # connections still waiting for their first byte
+
+    def __post_init__(self):
+        u = urlsplit(self.spec.url)
+        self.pool = Pool(u.hostname or "127.0.0.1", u.port or 80)
+        self.probe_pool = Pool(u.hostname or "127.0.0.1", u.port or 80)
 
     @property
     def url(self) -> str:
@@ -36,15 +44,12 @@ class Backend:
     def label(self) -> str:
         return self.spec.label
 
-    def tripped(self) -> asyncio.Future:
-        """Resolves when this backend's breaker opens: legs waiting on it give up and retry elsewhere."""
-        if self._tripped is None or self._tripped.done():
-            self._tripped = asyncio.get_running_loop().create_future()
-        return self._tripped
-
     def trip(self) -> None:
-        if self._tripped is not None and not self._tripped.done():
-            self._tripped.set_result(True)
+        """The breaker opened: legs still waiting on this backend give up now and retry elsewhere."""
+        err = UpstreamError(f"{self.label}: breaker opened while waiting ({self.breaker.last_error})")
+        for c in list(self.pending):
+            c.fail(err)
+        self.pending.clear()
 
     def record_failure(self, reason: str, source: str = "request") -> None:
         if source == "request":

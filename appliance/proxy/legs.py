@@ -1,9 +1,9 @@
 """The two legs of a disaggregated request, each retried on another backend only before the first byte.
 
 P leg: a copy of the request with max_tokens=1, stream=false and the decode-only options removed, sent
-with our X-Request-Id; its kv_transfer_params go opaquely into the D leg. Between the legs, a bounded
-wait for LMCache's store-finished telemetry. D leg: the original request; the caller streams it out.
-A P leg that fails everywhere never leads to a D leg (unless the operator chose the counted fallback).
+with our X-Request-Id; its kv_transfer_params go opaquely into the D leg. D leg: the original request;
+the caller streams it out. A P leg that fails everywhere never leads to a D leg (unless the operator
+chose the counted fallback).
 """
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import json
 import time
 from dataclasses import dataclass
 
-import aiohttp
-
 from .errors import ProxyError, unavailable, upstream_failed
+from .upstream import Conn, UpstreamError
 
 _P_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 
@@ -40,10 +39,8 @@ def decode_body(raw: bytes, body: dict, kv_params) -> bytes:
     return json.dumps(d).encode()
 
 
-@dataclass
 class LegFailure(Exception):
-    reason: str
-    backend_fault: bool = True     # False: the client or the request is at fault, do not blame the engine
+    """The backend failed this leg (5xx, broken answer): blame it and try another."""
 
 
 @dataclass
@@ -64,39 +61,25 @@ class PrefillResult:
 @dataclass
 class DecodeStream:
     backend: object
-    resp: aiohttp.ClientResponse
+    conn: Conn
     first: bytes
     seconds: float               # D leg sent -> first chunk
+    content_type: str
 
 
 class Legs:
     def __init__(self, state):
-        self.s = state   # ProxyState: cfg, session, policy, metrics, backends
+        self.s = state   # ProxyServer: cfg, policy, metrics, counts
 
-    def _headers(self, rid: str) -> dict:
+    def headers(self, rid: str) -> dict:
         h = {"Content-Type": "application/json", "X-Request-Id": rid}
         if self.s.cfg.backend_api_key:
             h["Authorization"] = "Bearer " + self.s.cfg.backend_api_key
         return h
 
-    async def _race(self, backend, coro, timeout_s: float):
-        """Run one upstream call; give up when it times out or the backend's breaker opens meanwhile."""
-        task = asyncio.ensure_future(coro)
-        tripped = backend.tripped()
-        try:
-            done, _ = await asyncio.wait((task, tripped), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if task in done:
-            return task.result()
-        task.cancel()
-        if tripped in done:
-            raise LegFailure(f"{backend.label}: breaker opened while waiting ({backend.breaker.last_error})")
-        raise LegFailure(f"{backend.label}: no answer within {timeout_s:g} s")
-
-    async def _attempts(self, leg: str, pick, call, timeout_s: float):
-        """Try ``call(backend)`` on up to max_attempts distinct backends; 4xx answers are final."""
+    async def _attempts(self, leg: str, pick, call):
+        """Try ``call(backend)`` on up to max_attempts distinct backends; 4xx answers are final.
+        Returns the call's result, or the list of failure reasons (empty: no backend was eligible)."""
         cfg, m = self.s.cfg, self.s.metrics
         excluded, errors, tried = set(), [], 0
         while tried < cfg.max_attempts:
@@ -113,19 +96,12 @@ class Legs:
             b.inflight += 1
             b.requests += 1
             try:
-                out = await self._race(b, call(b), timeout_s)
+                out = await call(b)
             except asyncio.CancelledError:
                 b.breaker.release()
                 raise
-            except LegFailure as e:
-                errors.append(e.reason)
-                if e.backend_fault:
-                    b.record_failure(e.reason)
-                else:
-                    b.breaker.release()
-                continue
-            except (aiohttp.ClientError, OSError, ValueError) as e:
-                reason = f"{b.label}: {type(e).__name__}: {str(e)[:160]}"
+            except (UpstreamError, LegFailure, ValueError) as e:
+                reason = str(e) if str(e).startswith(b.label) else f"{b.label}: {e}"
                 errors.append(reason)
                 b.record_failure(reason)
                 continue
@@ -139,17 +115,22 @@ class Legs:
         """PrefillResult, Passthrough (engine refused the request) or ProxyError (no prefiller could do it)."""
         s = self.s
         data = prefill_body(body)
-        headers = self._headers(rid)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.cfg.connect_timeout_s)
+        headers = self.headers(rid)
+        timeout = s.cfg.prefill_timeout_s
 
         async def call(b):
             t0 = time.monotonic()
-            async with s.session.post(b.url + path, data=data, headers=headers, timeout=timeout) as r:
-                raw = await r.read()
-                if r.status >= 500:
-                    raise LegFailure(f"{b.label}: prefill answered HTTP {r.status}: {raw[:160]!r}")
-                if r.status != 200:
-                    return Passthrough(r.status, raw, r.content_type or "application/json")
+            conn = await b.pool.request("POST", path, data, headers, timeout, b.pending)
+            status, ctype = conn.status, conn.headers.get("content-type", "application/json")
+            try:
+                raw = await conn.read_all(timeout)
+            finally:
+                b.pending.discard(conn)
+                conn.release()
+            if status >= 500:
+                raise LegFailure(f"{b.label}: prefill answered HTTP {status}: {raw[:160]!r}")
+            if status != 200:
+                return Passthrough(status, raw, ctype)
             try:
                 ans = json.loads(raw)
             except ValueError:
@@ -157,10 +138,10 @@ class Legs:
             kv = ans.get("kv_transfer_params") if isinstance(ans, dict) else None
             return PrefillResult(b, kv, time.monotonic() - t0)
 
-        out = await self._attempts("prefill", s.policy.pick_prefill, call, s.cfg.prefill_timeout_s)
+        out = await self._attempts("prefill", s.policy.pick_prefill, call)
         if isinstance(out, list):
             if not out:
-                return unavailable("no prefill worker is available (all breakers open: "
+                return unavailable("no prefill worker is available (breakers: "
                                    f"{s.describe('prefill')}); retry shortly or check `pdctl status`",
                                    "no_prefiller")
             return unavailable("every prefill attempt failed: " + " | ".join(out[-3:]), "prefill_failed")
@@ -169,37 +150,38 @@ class Legs:
     async def decode(self, path: str, data: bytes, rid: str, affinity, stream: bool):
         """DecodeStream (first chunk in hand), Passthrough, or ProxyError."""
         s = self.s
-        headers = self._headers(rid)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.cfg.connect_timeout_s,
-                                        sock_read=s.cfg.idle_timeout_s)
+        headers = self.headers(rid)
+        timeout = s.cfg.first_byte_timeout_s
 
         async def call(b):
             t0 = time.monotonic()
-            r = await s.session.post(b.url + path, data=data, headers=headers, timeout=timeout)
+            conn = await b.pool.request("POST", path, data, headers, timeout, b.pending)
             ok = False
             try:
-                if r.status >= 500:
-                    raw = await r.read()
-                    raise LegFailure(f"{b.label}: decode answered HTTP {r.status}: {raw[:160]!r}")
-                if r.status != 200 or not stream:
-                    raw = await r.read()
-                    r.release()
+                if conn.status >= 500:
+                    raw = await conn.read_all(timeout)
+                    raise LegFailure(f"{b.label}: decode answered HTTP {conn.status}: {raw[:160]!r}")
+                ctype = conn.headers.get("content-type", "application/json")
+                if conn.status != 200 or not stream:
+                    status = conn.status
+                    raw = await conn.read_all(timeout)
                     ok = True
-                    return Passthrough(r.status, raw, r.content_type or "application/json")
-                first = await r.content.readany()
+                    conn.release()
+                    return Passthrough(status, raw, ctype)
+                first = await conn.read(timeout)
                 if not first:
-                    raise LegFailure(f"{b.label}: decode stream closed before the first byte")
+                    raise LegFailure(f"{b.label}: decode stream ended before the first byte")
                 ok = True
-                return DecodeStream(b, r, first, time.monotonic() - t0)
+                return DecodeStream(b, conn, first, time.monotonic() - t0, ctype)
             finally:
+                b.pending.discard(conn)
                 if not ok:
-                    r.close()
+                    conn.close()
 
-        out = await self._attempts("decode", lambda ex: s.policy.pick_decode(affinity, ex), call,
-                                   s.cfg.first_byte_timeout_s)
+        out = await self._attempts("decode", lambda ex: s.policy.pick_decode(affinity, ex), call)
         if isinstance(out, list):
             if not out:
-                return unavailable("no decode worker is available (all breakers open: "
+                return unavailable("no decode worker is available (breakers: "
                                    f"{s.describe('decode')}); retry shortly or check `pdctl status`",
                                    "no_decoder")
             return upstream_failed("every decode attempt failed before the first byte: " + " | ".join(out[-3:]),

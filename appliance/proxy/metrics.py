@@ -32,6 +32,8 @@ class ProxyMetrics:
         self.kv_wait = Counter(C.PROXY_KV_WAIT, "Waits for LMCache's request_store_finished, by outcome",
                                ["outcome"], registry=r)
         self._req_children: dict = {}
+        self.ttft_path = {p: self.ttft.labels(p) for p in ("pd", "decode_only")}
+        self.e2e_path = {p: self.e2e.labels(p) for p in ("pd", "decode_only")}
 
     def count(self, route: str, outcome: str) -> None:
         key = (route, outcome)

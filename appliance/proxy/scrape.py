@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
-import aiohttp
-
 from .. import constants as C
+from .upstream import UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("pdctl.proxy")
 
@@ -49,18 +49,26 @@ class Watcher:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    async def _get(self, b, path: str, timeout_s: float) -> tuple:
+        """(status, body) of one GET on the backend's probe connections (apart from request traffic)."""
+        conn = await b.probe_pool.request("GET", path, b"", self.s.backend_headers(), timeout_s)
+        try:
+            status = conn.status
+            body = await conn.read_all(timeout_s, limit=16 * 1024 * 1024)
+        finally:
+            conn.release()
+        return status, body
+
     async def probe(self, b) -> None:
         cfg = self.s.cfg
         t0 = time.monotonic()
         try:
-            async with self.s.probe_session.get(b.url + "/health",
-                                                timeout=aiohttp.ClientTimeout(total=cfg.probe_timeout_s)) as r:
-                await r.read()
-                ok, why = r.status == 200, f"/health answered HTTP {r.status}"
-        except asyncio.TimeoutError:
+            status, _ = await self._get(b, "/health", cfg.probe_timeout_s)
+            ok, why = status == 200, f"/health answered HTTP {status}"
+        except UpstreamTimeout:
             ok, why = False, f"/health gave no answer within {cfg.probe_timeout_s:g} s"
-        except (aiohttp.ClientError, OSError) as e:
-            ok, why = False, f"/health: {type(e).__name__}: {str(e)[:120]}"
+        except UpstreamError as e:
+            ok, why = False, f"/health: {e}"
         b.probed_at = time.monotonic()
         b.probe_ms = (b.probed_at - t0) * 1000
         if ok:
@@ -75,37 +83,34 @@ class Watcher:
             await asyncio.sleep(self.s.cfg.probe_interval_s)
 
     async def scrape(self, b) -> None:
-        to = aiohttp.ClientTimeout(total=max(1.0, self.s.cfg.probe_timeout_s))
         try:
-            async with self.s.probe_session.get(b.url + "/metrics", timeout=to) as r:
-                text = await r.text(errors="replace") if r.status == 200 else ""
-                if r.status != 200:
-                    b.scrape_error = f"/metrics answered HTTP {r.status}"
-                    return
-            vals = parse_load(text)
-            b.running, b.waiting = vals.get("running", 0.0), vals.get("waiting", 0.0)
-            b.kv_usage = vals.get("kv_usage", 0.0)
-            b.ext_queries, b.ext_hits = vals.get("ext_queries"), vals.get("ext_hits")
-            b.scraped_at = time.monotonic()
-            b.scrape_error = "" if "running" in vals else f"{C.VLLM_RUNNING} missing from /metrics"
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError, UnicodeError) as e:
-            b.scrape_error = f"/metrics: {type(e).__name__}"
+            status, body = await self._get(b, "/metrics", max(1.0, self.s.cfg.probe_timeout_s))
+        except UpstreamError as e:
+            b.scrape_error = f"/metrics: {e}"
+            return
+        if status != 200:
+            b.scrape_error = f"/metrics answered HTTP {status}"
+            return
+        vals = parse_load(body.decode("utf-8", "replace"))
+        b.running, b.waiting = vals.get("running", 0.0), vals.get("waiting", 0.0)
+        b.kv_usage = vals.get("kv_usage", 0.0)
+        b.ext_queries, b.ext_hits = vals.get("ext_queries"), vals.get("ext_hits")
+        b.scraped_at = time.monotonic()
+        b.scrape_error = "" if "running" in vals else f"{C.VLLM_RUNNING} missing from /metrics"
 
     async def models(self, b) -> None:
         try:
-            async with self.s.probe_session.get(b.url + "/v1/models", headers=self.s.backend_headers(),
-                                                timeout=aiohttp.ClientTimeout(total=2.0)) as r:
-                if r.status != 200:
-                    return
-                ans = await r.json(content_type=None)
-            found = {}
-            for m in ans.get("data", []) if isinstance(ans, dict) else []:
-                if isinstance(m, dict) and isinstance(m.get("id"), str):
-                    mml = m.get("max_model_len")
-                    found[m["id"]] = mml if isinstance(mml, int) and not isinstance(mml, bool) else None
-            b.models = found
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            status, body = await self._get(b, "/v1/models", 2.0)
+            ans = json.loads(body) if status == 200 else None
+        except (UpstreamError, ValueError):
             return
+        found = {}
+        for m in ans.get("data", []) if isinstance(ans, dict) else []:
+            if isinstance(m, dict) and isinstance(m.get("id"), str):
+                mml = m.get("max_model_len")
+                found[m["id"]] = mml if isinstance(mml, int) and not isinstance(mml, bool) else None
+        if found or status == 200:
+            b.models = found
 
     async def _scrape_loop(self) -> None:
         n = 0

@@ -60,14 +60,16 @@ def arch_for(model: ModelProfile) -> ArchFacts:
 @dataclass(frozen=True)
 class CostParams:
     """Efficiency factors and latencies. ``fitted`` ones come from the seed's A100 table (see README)."""
-    mfu: float = 0.56                # fitted: achieved/peak BF16 FLOP/s in prefill steps; plausible 0.30-0.75
+    mfu: float = 0.563               # fitted: achieved/peak BF16 FLOP/s in prefill steps; plausible 0.30-0.75
     mem_eff: float = 0.80            # achieved/peak HBM bandwidth in decode steps; plausible 0.60-0.90
-    step_overhead_s: float = 0.021   # fitted: per-step CPU/launch cost (eager mode + connector); 0.003-0.040
+    step_overhead_s: float = 0.0211  # fitted: per-step CPU/launch cost (eager mode + connector); 0.003-0.040
     host_link_eff: float = 0.75      # achieved/peak PCIe per direction; H200 spike measured 0.67-0.84
-    store_notify_s: float = 0.23     # fitted: P answer -> LMCache "request_store_finished" latency beyond the
+    store_notify_s: float = 0.232    # fitted: P answer -> LMCache "request_store_finished" latency beyond the
     #                                  D2H copy; plausible 0.05-1.3 (seed proxy log: 1.26 s, one cold request)
     rpc_s: float = 0.0005            # one ZMQ lookup round trip (reference: ping RTT ~0.4 ms)
     http_hop_s: float = 0.002        # one loopback HTTP hop through the proxy (request or first byte back)
+    api_overhead_s: float = 0.005    # an engine's API-server work per request (parse, tokenize ~8k tokens);
+    #                                  simulator only: in the live twin its own parsing/tokenising takes it
     non_kv_reserve_bytes: int = int(3.66 * GiB)  # CUDA context + profile-run activations; seed log:
     #                                  0.85 x 80 GiB - 29.45 GiB weights - 34.89 GiB KV = 3.66 GiB
 
@@ -76,6 +78,21 @@ class CostParams:
 
     def with_(self, **kw) -> "CostParams":
         return replace(self, **kw)
+
+
+# Plausible ranges of the fitted/assumed factors (the calibration must stay inside them).
+PLAUSIBLE = {
+    "mfu": (0.30, 0.75),              # prefill MFU of large-batch BF16 on A100/H100 class GPUs
+    "mem_eff": (0.60, 0.90),          # STREAM-like HBM efficiency
+    "step_overhead_s": (0.003, 0.040),  # CUDA graphs ~3-5 ms ... eager + connector ~20-40 ms
+    "host_link_eff": (0.60, 0.90),    # pinned-memory PCIe copies
+    "store_notify_s": (0.05, 1.30),   # seed proxy log: 1.26 s on one cold request
+}
+
+
+def check_plausible(params: CostParams) -> list[str]:
+    """Names of parameters outside their plausible range (empty when all are inside)."""
+    return [k for k, (lo, hi) in PLAUSIBLE.items() if not lo <= getattr(params, k) <= hi]
 
 
 @dataclass(frozen=True)

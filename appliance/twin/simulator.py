@@ -189,7 +189,7 @@ class _Stack:
     # ---- engines -------------------------------------------------------------------------------
     def lookup(self, t: float, req: _Req, eng: _SimEngine, max_tokens: int) -> None:
         hit = min(self.store.lookup(req.keys, self.chunk_tokens), self.wl.input_len - 1)
-        ready = eng.link_in.reserve(t + self.p.rpc_s, self.cost.host_transfer_time(hit))
+        ready = eng.link_in.reserve(t + self.p.api_overhead_s + self.p.rpc_s, self.cost.host_transfer_time(hit))
         seq = Seq(rid=str(req.idx), prompt_len=self.wl.input_len, max_tokens=max_tokens, hit=hit,
                   payload=_PLeg(self, req, eng) if max_tokens == 1 and eng in self.pre else _DLeg(self, req, eng))
         self.loop.at(ready, self._add, eng, seq)

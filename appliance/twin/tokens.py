@@ -25,11 +25,23 @@ _FILLER = ("the", "model", "twin", "answers", "with", "steady", "filler", "text"
            "can", "count", "tokens", "and", "time", "streams")
 
 
+_IDS: dict[str, tuple[int, ...]] = {}
+
+
+def _word_ids(word: str) -> tuple[int, ...]:
+    ids = _IDS.get(word)
+    if ids is None:
+        ids = tuple(zlib.crc32(word[i:i + CHARS_PER_TOKEN].encode()) % VOCAB
+                    for i in range(0, len(word), CHARS_PER_TOKEN))
+        if len(_IDS) < 200_000:   # bounded memo: real text repeats words a lot
+            _IDS[word] = ids
+    return ids
+
+
 def tokenize(text: str) -> list[int]:
     ids: list[int] = []
     for word in text.split():
-        for i in range(0, len(word), CHARS_PER_TOKEN):
-            ids.append(zlib.crc32(word[i:i + CHARS_PER_TOKEN].encode()) % VOCAB)
+        ids.extend(_word_ids(word))
     return ids
 
 

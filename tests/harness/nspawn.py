@@ -260,7 +260,9 @@ def up(binds: Sequence[str] = (), binds_ro: Sequence[str] = (), net: str = "priv
     root.mkdir()
     machine = f"pdctl-{os.getpid()}-{secrets.token_hex(3)}"
     args = _nspawn_args(machine, binds, binds_ro, net)
-    rel = _caller_memory_cgroup().rstrip("/") + "/" + machine
+    parent = _caller_memory_cgroup().rstrip("/")
+    _sweep_stale(parent)
+    rel = parent + "/" + machine
     cgroups = _cgroup_dirs(rel)
     made: list[Path] = []
     for d in cgroups:
@@ -269,6 +271,7 @@ def up(binds: Sequence[str] = (), binds_ro: Sequence[str] = (), net: str = "priv
     def join_cgroups() -> None:  # runs in the child before exec: the launcher moves itself first
         for d in cgroups:
             (d / "cgroup.procs").write_text(str(os.getpid()))
+        _halt_with_parent()
 
     t0 = time.monotonic()
     log = open(state / "console.log", "wb")
@@ -283,18 +286,47 @@ def up(binds: Sequence[str] = (), binds_ro: Sequence[str] = (), net: str = "priv
     log.close()
     box = Box(state=state, machine=machine, nspawn=proc, leader=0, net=net, cgroups=cgroups, made=made)
     try:
-        box.leader = _find_leader(proc, 10.0)
+        box.leader = _find_leader(proc, boot_timeout)
         if not box.leader:
-            raise HarnessError(f"container PID 1 (systemd) did not appear; console:\n{box.console()[-3000:]}")
+            raise HarnessError(f"container PID 1 (systemd) did not appear (nspawn exit {proc.poll()}); "
+                               f"console ({state}/console.log):\n{box.console()[-3000:]}")
         box.system_state = _wait_running(box, boot_timeout)
         box.boot_s = time.monotonic() - t0
         if box.system_state not in ("running", "degraded"):
             raise HarnessError(f"container systemd state {box.system_state!r} after {box.boot_s:.1f} s; "
-                               f"console:\n{box.console()[-3000:]}")
+                               f"console ({state}/console.log):\n{box.console()[-3000:]}")
     except BaseException:
-        down(box, keep_state=True)
+        down(box, keep_state=os.environ.get("PDCTL_HARNESS_KEEP", "") == "1")
         raise
     return box
+
+
+def _sweep_stale(parent: str) -> None:
+    """Remove empty cgroup subtrees left by a harness whose caller was killed before ``down()``
+    (``pdctl-<pid>-<hex>`` with that pid gone); rmdir refuses any cgroup that still has processes."""
+    for base in _cgroup_dirs(parent):
+        if not base.is_dir():
+            continue
+        for d in base.glob("pdctl-*-*"):
+            try:
+                owner = int(d.name.split("-")[1])
+            except (IndexError, ValueError):
+                continue
+            if owner == os.getpid() or Path(f"/proc/{owner}").exists():
+                continue
+            for dirpath, _dirs, _files in os.walk(d, topdown=False):
+                with contextlib.suppress(OSError):
+                    os.rmdir(dirpath)
+
+
+def _halt_with_parent() -> None:
+    """nspawn gets SIGTERM (= orderly halt) if the process that called ``up()`` dies without ``down()``
+    (killed test run). Note: tied to the calling *thread*; call ``up()`` from a thread that outlives the box."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _find_leader(proc: subprocess.Popen, timeout: float) -> int:

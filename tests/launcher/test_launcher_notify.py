@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import REPO, make_plan, start_launcher
+from launcher_util import REPO, make_plan, start_launcher
 
 
 def _gone(pid: int, timeout: float = 5.0) -> bool:
@@ -115,6 +115,31 @@ def test_kill9_of_engine_makes_launcher_die_by_sigkill(tmp_path, notify, launche
     assert p.returncode == -signal.SIGKILL        # systemd counts this as a failure -> Restart=on-failure
 
 
+def test_engine_dies_with_a_killed_launcher(tmp_path, notify, launched):
+    import psutil
+    plan, port = make_plan(tmp_path, [])
+    p = start_launcher(plan, notify)
+    launched.append(p)
+    notify.wait_for("READY", "1")
+    engine = psutil.Process(p.pid).children()[0].pid
+    p.kill()
+    p.wait(5)
+    assert _gone(engine), "an engine must not outlive its launcher (it would hold the GPU and the port)"
+
+
+def test_watchdog_abort_kills_engine_then_aborts(tmp_path, notify, launched):
+    import psutil
+    plan, _ = make_plan(tmp_path, ["--ignore-term"])
+    p = start_launcher(plan, notify)
+    launched.append(p)
+    notify.wait_for("READY", "1")
+    engine = psutil.Process(p.pid).children()[0].pid
+    p.send_signal(signal.SIGABRT)         # what systemd sends on a watchdog timeout (KillMode=mixed: main only)
+    p.communicate(timeout=10)
+    assert p.returncode == -signal.SIGABRT
+    assert _gone(engine, 2.0)
+
+
 def test_load_timeout_stops_engine_and_fails(tmp_path, notify, launched):
     marker = tmp_path / "signals"
     plan, _ = make_plan(tmp_path, ["--load", "60", "--hang", "--marker", str(marker)])
@@ -158,14 +183,14 @@ def test_kvserver_run_uses_healthcheck_path(tmp_path, notify, launched):
 
 @pytest.mark.parametrize("args, needle", [
     (["worker", "run", "decode-9"], "no worker 'decode-9' in the plan (have: prefill-0)"),
-    (["worker", "run", "prefill-0", "--config", "/nonexistent/pdctl.json"], "/nonexistent/pdctl.json: no such file"),
+    (["worker", "run", "prefill-0", "--plan", "/nonexistent/pdctl.json"], "/nonexistent/pdctl.json: not found; install first"),
 ])
 def test_bad_input_exit_2(tmp_path, args, needle):
     import sys
     plan, _ = make_plan(tmp_path, [])
-    if "--config" not in args:
-        args = [*args, "--config", str(plan)]
-    r = subprocess.run([sys.executable, "-m", "appliance.launcher", *args], capture_output=True, text=True,
+    if "--plan" not in args:
+        args = [*args, "--plan", str(plan)]
+    r = subprocess.run([sys.executable, "-m", "appliance.cli", *args], capture_output=True, text=True,
                        timeout=30, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 2
     assert needle in r.stderr
@@ -176,9 +201,9 @@ def test_bad_plan_json_exit_2(tmp_path):
     import sys
     bad = tmp_path / "plan.json"
     bad.write_text('{"mode": "aggregated"}')
-    r = subprocess.run([sys.executable, "-m", "appliance.launcher", "worker", "run", "x", "--config", str(bad)],
+    r = subprocess.run([sys.executable, "-m", "appliance.cli", "worker", "run", "x", "--plan", str(bad)],
                        capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 2 and "not a valid plan JSON: KeyError" in r.stderr
+    assert r.returncode == 2 and "not a pdctl plan (KeyError" in r.stderr
 
 
 def test_missing_engine_binary(tmp_path, notify, launched):

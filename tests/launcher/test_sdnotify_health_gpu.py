@@ -170,3 +170,21 @@ def test_gpu_wait_skips_without_nvml_or_for_twin():
                 proxy=ProxyPlan("127.0.0.1", 3, 4), reasons=())
     r = wait_for_gpus(worker_spec(plan, w))
     assert r.ok and r.message == "GPU memory wait skipped: the twin engine simulates its GPUs"
+
+
+def test_gpu_wait_reports_status_and_extends_start_timeout(monkeypatch):
+    from appliance.launcher.supervise import Timing
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    addr = f"@pdctl-gpuwait-{os.getpid()}"
+    s.bind("\0" + addr[1:])
+    monkeypatch.setenv("NOTIFY_SOCKET", addr)
+    seq = [[GpuUse(0, 80 * GIB, 70 * GIB, (4242,))]] * 2 + [[GpuUse(0, 80 * GIB, GIB, ())]]
+    spec = EngineSpec(name="decode-0", argv=("vllm", "serve", "m", "--gpu-memory-utilization", "0.8"), env={},
+                      health_url="http://x", gpus=(0,), timing=Timing(gpu_poll_s=0.01))
+    r = wait_for_gpus(spec, reader=lambda idx: seq.pop(0))
+    assert r.ok
+    got = _recv_all(s)
+    assert got[0].startswith("STATUS=waiting for GPU memory, 0 s: GPU 0: 10,240 MiB free, engine needs 65,536 MiB")
+    assert "held by pid 4242" in got[0]
+    assert "EXTEND_TIMEOUT_USEC=30000000" in got
+    s.close()

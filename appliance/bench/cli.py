@@ -1,0 +1,213 @@
+"""``pdctl bench``: a rate sweep against a running stack; ``pdctl bench compare A.json B.json``.
+
+Exit codes: 0 ok (some requests may have failed: they are counted), 1 the target is unreachable or every
+request failed, 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from . import BenchError
+
+DEFAULT_URL = "http://127.0.0.1:9000"
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            r = float(part)
+        except ValueError:
+            raise BenchError(f"--rates {text!r}: {part!r} is not a number; use e.g. 1,2,5,10 (inf = all at once)") \
+                from None
+        if not r > 0 or math.isnan(r):
+            raise BenchError(f"--rates {text!r}: {part!r} must be > 0 req/s")
+        rates.append(r)
+    if not rates:
+        raise BenchError("--rates is empty; use e.g. 1,2,5,10")
+    return rates
+
+
+async def _models(url: str, timeout_s: float = 5.0) -> tuple[str, str]:
+    """(served model id, model root) from ``/v1/models``; BenchError when the target cannot be reached."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+            async with s.get(url.rstrip("/") + "/v1/models") as r:
+                if r.status != 200:
+                    raise BenchError(f"{url}/v1/models answered HTTP {r.status}; is the stack ready? "
+                                     "(pdctl status), or pass --model", code=1)
+                d = await r.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise BenchError(f"cannot reach {url} ({type(exc).__name__}: {exc}); start the stack "
+                         "(systemctl start pd.target) or pass --url", code=1) from None
+    try:
+        m = d["data"][0]
+        return str(m["id"]), str(m.get("root") or "")
+    except (KeyError, IndexError, TypeError):
+        raise BenchError(f"{url}/v1/models lists no model; pass --model NAME", code=1) from None
+
+
+def _endpoints(args: argparse.Namespace):
+    from .kvrate import KVEndpoints, endpoints_from_plan, resolve_endpoints
+    if args.kv_metrics:
+        return resolve_endpoints(args.kv_metrics, None, False)
+    from appliance.config import ConfigError, load_plan
+    try:
+        plan = load_plan(args.plan)
+    except ConfigError as exc:
+        return KVEndpoints((), f"no --kv-metrics and no plan ({exc})")
+    port = urlsplit(args.url).port
+    if args.plan is None and port != plan.proxy.port:
+        return KVEndpoints((), f"no --kv-metrics; the installed plan's proxy is on port {plan.proxy.port}, "
+                               f"not {port}")
+    ep = endpoints_from_plan(plan)
+    return KVEndpoints(ep.urls, f"plan {args.plan or 'installed'}")
+
+
+async def _sweep(args: argparse.Namespace, prof, rates: list[float]) -> tuple[list, dict]:
+    from .kvrate import KVRateProbe
+    from .loadgen import Progress, run_rate
+    from .stats import summarize
+    from .workload import PromptFactory, find_tokenizer
+
+    served, root = await _models(args.url) if not args.model else (args.model, "")
+    model = args.model or served
+    tok = find_tokenizer(args.tokenizer or (model if Path(model).is_dir() else root or None))
+    factory = PromptFactory(prof, tok, args.seed)
+    probe = KVRateProbe(_endpoints(args))
+    quiet = args.quiet
+    profile_meta = {"name": prof.name, "input_len": prof.input_len, "prefix_len": prof.prefix_len,
+                    "output_len": prof.output_len, "tokenizer": tok.name}
+    if not quiet:
+        print(f"pdctl bench: {args.url} model {model}; {prof.name}: {prof.prefix_len} shared + "
+              f"{prof.unique_len} unique = {prof.input_len} input tokens, {prof.output_len} output; "
+              f"{args.num_prompts} prompts per rate; tokens by {tok.name}", file=sys.stderr)
+    if args.warmup > 0:
+        prog = Progress(f"warm-up {args.warmup_rate:g} req/s", args.warmup, enabled=not quiet)
+        await run_rate(args.url, model, factory.prompts("warmup", args.warmup), args.warmup_rate, prof.output_len,
+                       seed=args.seed, request_timeout_s=args.request_timeout, progress=prog)
+        if args.warmup_pause > 0:
+            await asyncio.sleep(args.warmup_pause)
+    summaries = []
+    async with aiohttp.ClientSession() as metrics_session:
+        for i, rate in enumerate(rates):
+            if i and args.cooldown > 0:
+                await asyncio.sleep(args.cooldown)
+            prompts = factory.prompts(f"rate{i}", args.num_prompts)
+            prog = Progress(f"rate {rate:g} req/s", args.num_prompts, enabled=not quiet)
+            await probe.start(metrics_session)
+            deadline = None
+            if args.max_duration:
+                deadline = args.max_duration
+            run = await run_rate(args.url, model, prompts, rate, prof.output_len, seed=args.seed + i,
+                                 request_timeout_s=args.request_timeout, deadline_s=deadline, progress=prog)
+            kv = await probe.stop(metrics_session)
+            summaries.append(summarize(run, model=model, tokenizer_id=tok.name, num_prompts=args.num_prompts,
+                                       profile=profile_meta, kv=kv))
+    meta = {"url": args.url, "model": model, "profile": profile_meta, "seed": args.seed,
+            "warmup": args.warmup, "warmup_rate": args.warmup_rate, "rates": rates,
+            "kv_endpoints": list(probe.ep.urls), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return summaries, meta
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .report import table, write_results
+    from .stats import brief
+    from .workload import load_profile
+    try:
+        if args.bench_action == "compare":
+            from .report import compare
+            print(compare(Path(args.a), Path(args.b)))
+            return 0
+        for name in ("num_prompts", "warmup"):
+            if getattr(args, name) < 0 or (name == "num_prompts" and args.num_prompts < 1):
+                raise BenchError(f"--{name.replace('_', '-')} must be >= {1 if name == 'num_prompts' else 0}")
+        for name in ("cooldown", "warmup_pause"):
+            if getattr(args, name) < 0:
+                raise BenchError(f"--{name.replace('_', '-')} must be >= 0 seconds")
+        if not args.request_timeout > 0 or not args.warmup_rate > 0:
+            raise BenchError("--request-timeout and --warmup-rate must be > 0")
+        if urlsplit(args.url).scheme not in ("http", "https") or not urlsplit(args.url).hostname:
+            raise BenchError(f"--url {args.url!r}: use http://HOST:PORT (e.g. {DEFAULT_URL})")
+        rates = parse_rates(args.rates)
+        prof = load_profile(args.profile, args.input_len, args.prefix_len, args.output_len)
+        summaries, meta = asyncio.run(_sweep(args, prof, rates))
+        if args.out:
+            paths = write_results(Path(args.out), summaries, meta)
+            if not args.quiet:
+                print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+            if not args.no_plots:
+                from .plots import PlotsUnavailable, plot
+                try:
+                    pngs = plot(summaries, Path(args.out), args.slo_ttft_p50, args.slo_ttft_p95,
+                                title=f"{meta['model']} ({prof.name})")
+                    if not args.quiet:
+                        print(f"wrote {', '.join(str(p) for p in pngs)}", file=sys.stderr)
+                except PlotsUnavailable as exc:
+                    print(f"pdctl bench: no plots: {exc}", file=sys.stderr)
+    except BenchError as exc:
+        print(f"pdctl bench: error: {exc}", file=sys.stderr)
+        return getattr(exc, "code", 2)
+    if args.json:
+        print(json.dumps([brief(s) for s in summaries], indent=2))
+    else:
+        print(table(summaries))
+    if all(s["completed"] == 0 for s in summaries):
+        first = next((e for s in summaries for e in s.get("errors", []) if e), "")
+        print(f"pdctl bench: every request failed (first error: {first})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure a running stack (Poisson rate sweep, vllm bench serve JSON)",
+                       description="Open-loop Poisson load over streaming /v1/completions, one run per rate; "
+                                   "or `pdctl bench compare A.json B.json`.")
+    p.add_argument("--url", default=DEFAULT_URL, help="OpenAI endpoint of the stack (default %(default)s)")
+    p.add_argument("--profile", default="seed-p50",
+                   help="seed-p50 (6000+1869 in, 252 out) | seed-p95 (12000+3840 in, 561 out) | FILE.json/.toml")
+    p.add_argument("--input-len", dest="input_len", type=int, help="tokens per prompt (prefix included)")
+    p.add_argument("--prefix-len", dest="prefix_len", type=int, help="shared-prefix tokens")
+    p.add_argument("--output-len", dest="output_len", type=int, help="output tokens (ignore_eos)")
+    p.add_argument("--rates", default="1,2,5,10", help="req/s, comma-separated (inf = all at once)")
+    p.add_argument("--num-prompts", dest="num_prompts", type=int, default=600, help="per rate (seed: 600)")
+    p.add_argument("--warmup", type=int, default=100, help="warm-up prompts before the sweep (seed: 100)")
+    p.add_argument("--warmup-rate", dest="warmup_rate", type=float, default=5.0, help="seed: 5 req/s")
+    p.add_argument("--warmup-pause", dest="warmup_pause", type=float, default=0.0,
+                   help="seconds after the warm-up (seed: 30)")
+    p.add_argument("--cooldown", type=float, default=0.0, help="seconds between rates (seed: 30)")
+    p.add_argument("--request-timeout", dest="request_timeout", type=float, default=600.0,
+                   help="per request, seconds (a timed-out request counts failed)")
+    p.add_argument("--max-duration", dest="max_duration", type=float, default=None,
+                   help="per rate, seconds; requests still running then are cancelled and counted failed "
+                        "(default: last arrival + request timeout)")
+    p.add_argument("--out", help="directory for rate-<r>.json, summary.json and PNG plots")
+    p.add_argument("--no-plots", dest="no_plots", action="store_true")
+    p.add_argument("--slo-ttft-p50", dest="slo_ttft_p50", type=float, default=2.0, help="plot line, seconds")
+    p.add_argument("--slo-ttft-p95", dest="slo_ttft_p95", type=float, default=3.5, help="plot line, seconds")
+    p.add_argument("--json", action="store_true", help="print the summaries as JSON instead of the table")
+    p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
+    p.add_argument("--tokenizer", help="model directory with tokenizer.json (default: the model's root, "
+                                       "when local)")
+    p.add_argument("--kv-metrics", dest="kv_metrics", action="append", default=[], metavar="URL",
+                   help="a /metrics endpoint for the KV hit rate (KV server, decoders); repeatable "
+                        "(default: from the installed plan)")
+    p.add_argument("--plan", help="plan.json (or pdctl.toml) to take the KV metrics endpoints from")
+    p.add_argument("--seed", type=int, default=2003, help="prompts and arrivals (seed: 2003)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_bench, bench_action=None)
+    actions = p.add_subparsers(dest="bench_action", metavar="compare")
+    c = actions.add_parser("compare", help="side-by-side table of two result files")
+    c.add_argument("a", metavar="A.json")
+    c.add_argument("b", metavar="B.json")

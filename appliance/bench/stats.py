@@ -1,0 +1,92 @@
+"""Per-rate summary with ``vllm bench serve``'s key names, so tools that read its JSON read ours.
+
+Definitions follow ``vllm bench serve``: TTFT = send -> first token chunk; ITL = gaps between successive
+token chunks (all requests pooled); TPOT = (E2E - TTFT) / (output tokens - 1) per request with more than
+one output token; E2EL = send -> end of stream; throughputs divide by ``duration`` (first send -> last
+completion); token totals count completed requests only. Percentiles use linear interpolation (numpy's
+default, which ``vllm bench serve`` uses). Times in the summary are milliseconds, as there.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Optional, Sequence
+
+from .loadgen import RunResult
+
+PERCENTILES = (50, 90, 95, 99)
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default); 0.0 for no values (as vllm bench serve prints)."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(run: RunResult, *, model: str, tokenizer_id: str, num_prompts: int, profile: Optional[dict] = None,
+              kv: Optional[dict] = None, detailed: bool = True) -> dict:
+    """One rate's summary dict (``vllm bench serve`` names + ``kv_hit_rate`` and pdctl extras)."""
+    ok = [r for r in run.results if r.ok]
+    dur = max(run.duration, 1e-9)
+    ttft = [r.ttft * 1000 for r in ok]
+    e2el = [r.latency * 1000 for r in ok]
+    tpot = [(r.latency - r.ttft) * 1000 / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x * 1000 for r in ok for x in r.itl]
+    tin = sum(r.prompt_tokens for r in ok)
+    tout = sum(r.output_tokens for r in ok)
+    rate = run.rate
+    s: dict = {
+        "date": time.strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": "openai", "backend": "vllm", "label": "pdctl-bench",
+        "model_id": model, "tokenizer_id": tokenizer_id,
+        "num_prompts": num_prompts,
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "burstiness": 1.0, "max_concurrency": None,
+        "duration": dur,
+        "completed": len(ok),
+        "failed": len(run.results) - len(ok),
+        "total_input_tokens": tin,
+        "total_output_tokens": tout,
+        "request_throughput": len(ok) / dur,
+        "request_goodput": None,
+        "output_throughput": tout / dur,
+        "total_token_throughput": (tin + tout) / dur,
+        "max_concurrent_requests": run.max_concurrency,
+    }
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        s[f"mean_{name}_ms"] = statistics.fmean(xs) if xs else 0.0
+        s[f"median_{name}_ms"] = percentile(xs, 50)
+        s[f"std_{name}_ms"] = statistics.pstdev(xs) if len(xs) > 1 else 0.0
+        for q in PERCENTILES:
+            s[f"p{q}_{name}_ms"] = percentile(xs, q)
+    kv = kv or {}
+    s["kv_hit_rate"] = kv.get("kv_hit_rate")
+    s["kv_hit_rate_lmcache"] = kv.get("lmcache")
+    s["kv_hit_rate_decoders"] = kv.get("decoders")
+    s["kv_hit_rate_source"] = kv.get("source", "no KV metrics endpoints")
+    if profile:
+        s["profile"] = profile
+    if detailed:
+        s["input_lens"] = [r.prompt_tokens for r in run.results]
+        s["output_lens"] = [r.output_tokens if r.ok else 0 for r in run.results]
+        s["ttfts"] = [r.ttft if r.ok else 0.0 for r in run.results]
+        s["itls"] = [r.itl if r.ok else [] for r in run.results]
+        s["errors"] = [r.error for r in run.results]
+        s["scheduled_s"] = [r.scheduled for r in run.results]
+        s["sent_s"] = [r.sent for r in run.results]
+    return s
+
+
+DETAIL_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "errors", "scheduled_s", "sent_s")
+
+
+def brief(summary: dict) -> dict:
+    """The summary without per-request arrays (for ``--json`` and summary.json)."""
+    return {k: v for k, v in summary.items() if k not in DETAIL_KEYS}

@@ -1,0 +1,164 @@
+"""``pdctl twin simulate|engine|kvserver``: the twin's command line (``register(subparsers)``)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+
+from appliance import constants as C
+from appliance.models import ModelError
+
+from .hardware import PROFILES, HardwareError
+
+
+def _rates(text: str) -> list[float]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            v = math.inf if part.lower() == "inf" else float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--rates: {part!r} is not a number; write e.g. 1,2,5,10,inf")
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"--rates: {part!r} must be > 0")
+        out.append(v)
+    return out
+
+
+def _engine_cfg_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=32768)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per engine")
+
+
+def _engine_cfg(a):
+    from .costmodel import EngineConfig
+    return EngineConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                        gpu_memory_utilization=a.gpu_memory_utilization, tp=a.tp)
+
+
+def register(subparsers) -> None:
+    tw = subparsers.add_parser("twin", help="simulated GPUs, engines and KV server (calibrated cost model)")
+    sub = tw.add_subparsers(dest="twin_cmd", required=True)
+
+    s = sub.add_parser("simulate", help="discrete-event simulation of a PD stack over request rates")
+    s.add_argument("--hardware", default="a100-80gb", help=f"one of {', '.join(PROFILES)}")
+    s.add_argument("--model", default="deepseek-v2-lite")
+    s.add_argument("--prefill", type=int, default=1)
+    s.add_argument("--decode", type=int, default=2)
+    s.add_argument("--input-len", type=int, default=7869)
+    s.add_argument("--prefix-len", type=int, default=6000)
+    s.add_argument("--output-len", type=int, default=252)
+    s.add_argument("--rates", type=_rates, default=[1.0, 2.0, 5.0, 10.0, 20.0])
+    s.add_argument("--num-prompts", type=int, default=600)
+    s.add_argument("--policy", choices=["round-robin", "pdctl"], default="round-robin")
+    s.add_argument("--skip-uncached-max", type=int, default=512,
+                   help="pdctl policy: skip the P leg when at most this many prompt tokens are uncached")
+    s.add_argument("--kv-size-gb", type=float, default=80.0)
+    s.add_argument("--seed", type=int, default=2003)
+    s.add_argument("--json", action="store_true", help="print a list of vllm-bench-serve-shaped summaries")
+    _engine_cfg_args(s)
+    s.set_defaults(func=cmd_simulate)
+
+    e = sub.add_parser("engine", help="a twin engine with vLLM's HTTP surface")
+    e.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    e.add_argument("--port", type=int, required=True)
+    e.add_argument("--host", default=C.LOOPBACK)
+    e.add_argument("--hardware", default="h200")
+    e.add_argument("--model", default="deepseek-v2-lite")
+    e.add_argument("--kv", default=None, help="twin KV server ZMQ URL, e.g. tcp://127.0.0.1:6000")
+    e.add_argument("--kv-http", default=None, help="twin KV server HTTP URL (informational)")
+    e.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per model second")
+    e.add_argument("--served-model-name", default=None)
+    e.add_argument("--gpu-index", type=int, default=None)
+    e.add_argument("--state-file", default=None, help="twin GPU sample file (default with --gpu-index: "
+                   f"{C.TWIN_STATE_DIR}/gpu-N.json)")
+    e.add_argument("--max-model-len", type=int, default=20000)
+    e.add_argument("--block-size", type=int, default=64)
+    e.add_argument("--fault", default="none", help="start with a fault: MODE[:ARG] (see appliance.twin.faults)")
+    _engine_cfg_args(e)
+    e.set_defaults(func=cmd_engine)
+
+    k = sub.add_parser("kvserver", help="a twin KV server with LMCache MP's ZMQ and HTTP surface")
+    k.add_argument("--host", default=C.LOOPBACK)
+    k.add_argument("--port", type=int, default=C.KV_ZMQ_PORT)
+    k.add_argument("--http-host", default=C.LOOPBACK)
+    k.add_argument("--http-port", type=int, default=C.KV_HTTP_PORT)
+    k.add_argument("--l1-size-gb", type=float, default=80.0)
+    k.set_defaults(func=cmd_kvserver)
+
+
+def _fmt_table(rows: list[dict]) -> str:
+    head = (f"{'rate':>6} {'deliv':>6} {'ttft50':>7} {'ttft90':>7} {'ttft95':>7} {'ttft99':>7} {'tpot50':>7} "
+            f"{'e2e50':>7} {'e2e95':>7} {'kvhit':>6} {'maxc':>5}")
+    lines = [head, "       (req/s; TTFT and E2E in s; TPOT in ms)"]
+    for r in rows:
+        lines.append(f"{str(r['request_rate']):>6} {r['request_throughput']:6.2f} {r['p50_ttft_ms'] / 1e3:7.3f} "
+                     f"{r['p90_ttft_ms'] / 1e3:7.3f} {r['p95_ttft_ms'] / 1e3:7.3f} {r['p99_ttft_ms'] / 1e3:7.3f} "
+                     f"{r['p50_tpot_ms']:7.1f} {r['p50_e2el_ms'] / 1e3:7.3f} {r['p95_e2el_ms'] / 1e3:7.3f} "
+                     f"{r['kv_hit_rate']:6.3f} {r['max_concurrent_requests']:5d}")
+    return "\n".join(lines)
+
+
+def cmd_simulate(a) -> int:
+    from .simulator import SimError, Workload, simulate
+    try:
+        rows = simulate(a.hardware, a.model, a.prefill, a.decode,
+                        Workload(a.input_len, a.prefix_len, a.output_len), a.rates, a.num_prompts, a.policy,
+                        a.seed, engine=_engine_cfg(a), kv_size_gb=a.kv_size_gb,
+                        skip_uncached_max=a.skip_uncached_max)
+    except (SimError, HardwareError, ModelError) as exc:
+        print(f"pdctl twin simulate: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=1) if a.json else _fmt_table(rows))
+    return 0
+
+
+def cmd_engine(a) -> int:
+    from .costmodel import EngineConfig
+    from .engine import EngineOptions, run
+    from .gpus import default_state_file
+    state = a.state_file or (str(default_state_file(a.gpu_index)) if a.gpu_index is not None else None)
+    cfg = _engine_cfg(a)
+    cfg = EngineConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.gpu_memory_utilization, a.block_size,
+                       cfg.tp)
+    opts = EngineOptions(role=a.role, host=a.host, port=a.port, hardware=a.hardware, model=a.model, kv=a.kv,
+                         kv_http=a.kv_http, time_scale=a.time_scale, served_model_name=a.served_model_name,
+                         gpu_index=a.gpu_index or 0, state_file=state, max_model_len=a.max_model_len,
+                         engine=cfg, fault=a.fault)
+    try:
+        run(opts)
+    except (ValueError, HardwareError, ModelError) as exc:
+        print(f"pdctl twin engine: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_kvserver(a) -> int:
+    from .kvserver import serve
+    if not a.l1_size_gb > 0:
+        print(f"pdctl twin kvserver: --l1-size-gb must be > 0, got {a.l1_size_gb}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(a.host, a.port, a.http_host, a.http_port, a.l1_size_gb))
+    except KeyboardInterrupt:
+        return 0
+    except OSError as exc:  # includes zmq "Address already in use"
+        print(f"pdctl twin kvserver: cannot bind ({exc})", file=sys.stderr)
+        return 3
+    return 0
+
+
+def main(argv=None) -> int:
+    """Standalone entry (``python -m appliance.twin.cli``) while ``pdctl`` is not installed."""
+    p = argparse.ArgumentParser(prog="pdctl")
+    register(p.add_subparsers(dest="cmd", required=True))
+    a = p.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+from tests.harness.fixture import systemd_box  # noqa: F401  (module-scoped container fixture)
