@@ -21,6 +21,7 @@ FEATURE_MODULES = (
     "appliance.launcher.cli",
     "appliance.demo",
     "appliance.bench.cli",
+    "appliance.fleet.cli",
 )
 
 

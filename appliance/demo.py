@@ -68,7 +68,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="deepseek-v2-lite")
     p.add_argument("--rate", type=float, default=2.0, help="requests per second (default %(default)s)")
     p.add_argument("--no-tui", action="store_true", help="print the proxy URL first and run until SIGINT/SIGTERM")
-    p.add_argument("--time-scale", type=float, default=1.0, help="run the twin's clock faster (e.g. 4)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="twin clock: wall seconds per model second (0.25 = 4x faster)")
     p.add_argument("--refresh", type=float, default=1.0)
     p.set_defaults(func=cmd_demo)
 

@@ -12,7 +12,6 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -77,13 +76,19 @@ def _endpoints(args: argparse.Namespace):
 
 async def _sweep(args: argparse.Namespace, prof, rates: list[float]) -> tuple[list, dict]:
     from .kvrate import KVRateProbe
-    from .loadgen import Progress, run_rate
+    from .loadgen import Progress, prompt_token_counts, run_rate
     from .stats import summarize
-    from .workload import PromptFactory, find_tokenizer
+    from .workload import PromptFactory, calibrated, calibration_texts, find_tokenizer
 
     served, root = await _models(args.url) if not args.model else (args.model, "")
     model = args.model or served
     tok = find_tokenizer(args.tokenizer or (model if Path(model).is_dir() else root or None))
+    if not tok.exact and not args.no_calibrate:
+        counts = await prompt_token_counts(args.url, model, calibration_texts(args.seed), args.request_timeout)
+        tok = calibrated(counts)
+        if None in counts and not args.quiet:
+            print("pdctl bench: note: the server reported no usage.prompt_tokens for the calibration probes; "
+                  "prompt lengths follow the twin rule (pass --tokenizer DIR for exact lengths)", file=sys.stderr)
     factory = PromptFactory(prof, tok, args.seed)
     probe = KVRateProbe(_endpoints(args))
     quiet = args.quiet
@@ -107,11 +112,9 @@ async def _sweep(args: argparse.Namespace, prof, rates: list[float]) -> tuple[li
             prompts = factory.prompts(f"rate{i}", args.num_prompts)
             prog = Progress(f"rate {rate:g} req/s", args.num_prompts, enabled=not quiet)
             await probe.start(metrics_session)
-            deadline = None
-            if args.max_duration:
-                deadline = args.max_duration
             run = await run_rate(args.url, model, prompts, rate, prof.output_len, seed=args.seed + i,
-                                 request_timeout_s=args.request_timeout, deadline_s=deadline, progress=prog)
+                                 request_timeout_s=args.request_timeout, deadline_s=args.max_duration,
+                                 progress=prog)
             kv = await probe.stop(metrics_session)
             summaries.append(summarize(run, model=model, tokenizer_id=tok.name, num_prompts=args.num_prompts,
                                        profile=profile_meta, kv=kv))
@@ -119,6 +122,51 @@ async def _sweep(args: argparse.Namespace, prof, rates: list[float]) -> tuple[li
             "warmup": args.warmup, "warmup_rate": args.warmup_rate, "rates": rates,
             "kv_endpoints": list(probe.ep.urls), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return summaries, meta
+
+
+def add_what_if_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """What-if flags; ``pdctl plan`` can add them too (``prefix="what_if_"`` keeps its own dests apart)."""
+    p.add_argument("--rates", dest=f"{prefix}rates", default="1,2,5,10,20", help="asked req/s per split")
+    p.add_argument("--slo-ttft-p95", dest=f"{prefix}slo", type=float, default=3.5,
+                   help="TTFT p95 SLO in seconds (seed's production: 3.5)")
+    p.add_argument("--objective", dest=f"{prefix}objective", default="max-rate-under-slo",
+                   choices=("max-rate-under-slo",))
+    p.add_argument("--workload", dest=f"{prefix}profile", default="seed-p50",
+                   help="seed-p50 | seed-p95 | FILE (as pdctl bench --profile)")
+    p.add_argument("--sim-prompts", dest=f"{prefix}num_prompts", type=int, default=600,
+                   help="simulated prompts per rate (seed: 600)")
+
+
+def run_what_if(inventory, model: str, args: argparse.Namespace, prefix: str = "", tp: int = 1,
+                policy: str = "pdctl", as_json: bool = False) -> int:
+    """Simulate every P/D split of ``inventory`` and print the table (or JSON); BenchError on bad input."""
+    from appliance.twin.simulator import Workload
+    from .whatif import render, what_if
+    from .workload import load_profile
+    prof = load_profile(getattr(args, f"{prefix}profile"))
+    n = getattr(args, f"{prefix}num_prompts")
+    if n < 1:
+        raise BenchError("--sim-prompts must be >= 1")
+    w = what_if(inventory, model, Workload(prof.input_len, prof.prefix_len, prof.output_len),
+                parse_rates(getattr(args, f"{prefix}rates")), slo_ttft_p95_s=getattr(args, f"{prefix}slo"),
+                policy=policy, tp=tp, num_prompts=n, objective=getattr(args, f"{prefix}objective"))
+    print(json.dumps(w.to_json(), indent=2) if as_json else render(w))
+    return 0
+
+
+def cmd_what_if(args: argparse.Namespace) -> int:
+    from appliance.inventory import InventoryError, detect
+    from appliance.models import ModelError
+    try:
+        inv = detect(args.gpus)
+        return run_what_if(inv, args.wi_model, args, tp=args.wi_tp, policy=args.wi_policy, as_json=args.json)
+    except InventoryError as exc:
+        print(f"pdctl bench what-if: error: {exc} (plan a box you do not have with --gpus fake:3xA100-80GB)",
+              file=sys.stderr)
+        return 1
+    except (BenchError, ModelError) as exc:
+        print(f"pdctl bench what-if: error: {exc}", file=sys.stderr)
+        return getattr(exc, "code", 2)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -130,6 +178,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from .report import compare
             print(compare(Path(args.a), Path(args.b)))
             return 0
+        if args.bench_action == "what-if":
+            return cmd_what_if(args)
         for name in ("num_prompts", "warmup"):
             if getattr(args, name) < 0 or (name == "num_prompts" and args.num_prompts < 1):
                 raise BenchError(f"--{name.replace('_', '-')} must be >= {1 if name == 'num_prompts' else 0}")
@@ -138,6 +188,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 raise BenchError(f"--{name.replace('_', '-')} must be >= 0 seconds")
         if not args.request_timeout > 0 or not args.warmup_rate > 0:
             raise BenchError("--request-timeout and --warmup-rate must be > 0")
+        if args.max_duration is not None and not args.max_duration > 0:
+            raise BenchError(f"--max-duration must be > 0 seconds, got {args.max_duration}")
         if urlsplit(args.url).scheme not in ("http", "https") or not urlsplit(args.url).hostname:
             raise BenchError(f"--url {args.url!r}: use http://HOST:PORT (e.g. {DEFAULT_URL})")
         rates = parse_rates(args.rates)
@@ -200,6 +252,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--tokenizer", help="model directory with tokenizer.json (default: the model's root, "
                                        "when local)")
+    p.add_argument("--no-calibrate", dest="no_calibrate", action="store_true",
+                   help="without a local tokenizer, do not fit the word->token rate from two probe requests' "
+                        "usage.prompt_tokens (keep the twin rule: 1 token per short word)")
     p.add_argument("--kv-metrics", dest="kv_metrics", action="append", default=[], metavar="URL",
                    help="a /metrics endpoint for the KV hit rate (KV server, decoders); repeatable "
                         "(default: from the installed plan)")
@@ -207,7 +262,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=2003, help="prompts and arrivals (seed: 2003)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_bench, bench_action=None)
-    actions = p.add_subparsers(dest="bench_action", metavar="compare")
+    actions = p.add_subparsers(dest="bench_action", metavar="{compare,what-if}")
     c = actions.add_parser("compare", help="side-by-side table of two result files")
     c.add_argument("a", metavar="A.json")
     c.add_argument("b", metavar="B.json")
+    w = actions.add_parser("what-if", help="predict every P/D split of the GPUs on the twin simulator",
+                           description="Simulate each prefill/decode split of the (detected or fake) GPUs and mark "
+                                       "the one that holds the highest rate under the TTFT p95 SLO.")
+    w.add_argument("--gpus", default="nvml", help="nvml | fake:3xA100-80GB | FILE.json (default %(default)s)")
+    w.add_argument("--model", dest="wi_model", default="deepseek-v2-lite", help="registry name (pdctl plan "
+                                                                                "--list-models)")
+    w.add_argument("--tp", dest="wi_tp", type=int, default=1)
+    w.add_argument("--policy", dest="wi_policy", choices=("pdctl", "round-robin"), default="pdctl")
+    w.add_argument("--json", action="store_true")
+    add_what_if_flags(w, prefix="")

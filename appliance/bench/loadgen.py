@@ -213,6 +213,18 @@ class _Deadline:
         return False
 
 
+async def prompt_token_counts(base_url: str, model: str, texts: Sequence[str], timeout_s: float = 60.0) -> list:
+    """The server's own ``usage.prompt_tokens`` for each text (None where it reported none or failed)."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
+        for i, text in enumerate(texts):
+            res = RequestResult(i)
+            await _one(session, url, request_body(model, text, 1), res, time.perf_counter(), timeout_s)
+            out.append(res.prompt_tokens if res.ok and res.prompt_tokens else None)
+    return out
+
+
 def request_body(model: str, prompt: str, output_len: int, stream: bool = True) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
             "temperature": 0, "stream": stream, "stream_options": {"include_usage": True}}

@@ -3,7 +3,8 @@
 Answers "how should I split these GPUs, and what will the box hold?" before the GPUs are rented. For each
 split (P prefillers + D decoders, P + D = the usable GPUs / TP) it simulates the workload at each asked
 rate and reports the delivered ceiling and TTFT p50/p95. The recommended split is the one that holds the
-highest asked rate with TTFT p95 under the SLO and no failures (objective ``max-rate-under-slo``); ties go
+highest rate with TTFT p95 under the SLO and no failures (objective ``max-rate-under-slo``; found on the
+asked rates, then refined by bisection between the last rate that held and the next one); ties go
 to the higher ceiling (0.1 req/s resolution), then to the lower TTFT p95 at that rate, then to fewer GPUs.
 
 "Delivered" is ``vllm bench serve``'s request throughput (completed / time to the last completion), so it
@@ -46,8 +47,10 @@ class SplitResult:
     tp: int
     points: tuple                       # RatePoint per asked rate
     ceiling: float                      # highest delivered req/s over the asked rates
-    max_rate_under_slo: float           # highest asked rate with TTFT p95 <= SLO and no failures (0: none)
+    max_rate_under_slo: float           # highest rate with TTFT p95 <= SLO and no failures (0: none), refined
+    #                                     by bisection between the last asked rate that held and the next one
     recommended: bool = False
+    holds_all: bool = False             # every asked rate held: the true limit is above the highest one
 
     @property
     def name(self) -> str:
@@ -81,7 +84,7 @@ class WhatIf:
                 "engines": self.engines,
                 "splits": [{"split": r.name, "prefill": r.prefill, "decode": r.decode, "tp": r.tp,
                             "ceiling": r.ceiling, "max_rate_under_slo": r.max_rate_under_slo,
-                            "recommended": r.recommended,
+                            "holds_all_rates": r.holds_all, "recommended": r.recommended,
                             "points": [p.__dict__ for p in r.points]} for r in self.rows]}
 
 
@@ -107,7 +110,8 @@ def splits(n_engines: int) -> list[tuple[int, int]]:
 
 def what_if(inventory, model: str, workload: Workload = Workload(), rates: Sequence[float] = (1, 2, 5, 10, 20),
             *, slo_ttft_p95_s: float = 3.5, policy: str = "round-robin", tp: int = 1, num_prompts: int = 600,
-            seed: int = 2003, kv_size_gb: float = 80.0, objective: str = "max-rate-under-slo") -> WhatIf:
+            seed: int = 2003, kv_size_gb: float = 80.0, objective: str = "max-rate-under-slo",
+            refine: int = 4) -> WhatIf:
     """Simulate each feasible P/D split of ``inventory``'s GPUs; rows best first, the recommended one marked."""
     if objective not in OBJECTIVES:
         raise BenchError(f"--objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
@@ -129,23 +133,38 @@ def what_if(inventory, model: str, workload: Workload = Workload(), rates: Seque
     if n_engines < 2:
         raise BenchError(f"what-if needs >= 2 engines to split into prefill and decode; {n_gpus} x {gpu_name} at "
                          f"TP {tp} gives {n_engines}")
-    rows = []
-    for p, d in splits(n_engines):
+    rates = tuple(sorted(set(rates)))
+
+    def sim(p: int, d: int, rs: Sequence[float]) -> list:
         try:
-            res = simulate(hw, model, p, d, workload, rates, num_prompts=num_prompts, policy=policy, seed=seed,
-                           engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb)
+            return simulate(hw, model, p, d, workload, rs, num_prompts=num_prompts, policy=policy, seed=seed,
+                            engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb)
         except SimError as exc:
             raise BenchError(f"what-if: {exc}") from None
+
+    def holds(s: dict) -> bool:
+        return s["p95_ttft_ms"] / 1000 <= slo_ttft_p95_s and s["failed"] == 0
+
+    rows = []
+    for p, d in splits(n_engines):
+        res = sim(p, d, rates)
         pts = tuple(RatePoint(asked=r, delivered=s["request_throughput"], ttft_p50_s=s["p50_ttft_ms"] / 1000,
-                              ttft_p95_s=s["p95_ttft_ms"] / 1000, failed=s["failed"],
-                              under_slo=s["p95_ttft_ms"] / 1000 <= slo_ttft_p95_s and s["failed"] == 0)
+                              ttft_p95_s=s["p95_ttft_ms"] / 1000, failed=s["failed"], under_slo=holds(s))
                     for r, s in zip(rates, res))
-        best_ok = max((pt.asked for pt in pts if pt.under_slo), default=0.0)
-        rows.append(SplitResult(p, d, tp, pts, max(pt.delivered for pt in pts), best_ok))
+        ok = [i for i, pt in enumerate(pts) if pt.under_slo]
+        best_ok = pts[ok[-1]].asked if ok else 0.0
+        if ok and ok[-1] + 1 < len(pts):           # bisect the knee between the last rate held and the next
+            lo, hi = best_ok, pts[ok[-1] + 1].asked
+            for _ in range(refine):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if holds(sim(p, d, [mid])[0]) else (lo, mid)
+            best_ok = lo
+        rows.append(SplitResult(p, d, tp, pts, max(pt.delivered for pt in pts), best_ok,
+                                holds_all=bool(ok) and ok[-1] == len(pts) - 1))
 
     def key(r: SplitResult):
-        at = r.point(r.max_rate_under_slo)
-        return (-r.max_rate_under_slo, -round(r.ceiling, 1), at.ttft_p95_s if at else math.inf,
+        at = max((p for p in r.points if p.under_slo), key=lambda p: p.asked, default=None)
+        return (-round(r.max_rate_under_slo, 2), -round(r.ceiling, 1), at.ttft_p95_s if at else math.inf,
                 r.prefill + r.decode, r.prefill)
 
     rows.sort(key=key)
@@ -168,14 +187,17 @@ def render(w: WhatIf) -> str:
         head += f"  {f'{r:g}/s p50/p95 s':>17}"
     out.append(head)
     for row in w.rows:
-        line = f"{'*' if row.recommended else ' '} {row.name:<10} {row.ceiling:>8.2f} {row.max_rate_under_slo:>8g}"
+        held = (">=" if row.holds_all else "") + f"{row.max_rate_under_slo:.3g}"
+        line = f"{'*' if row.recommended else ' '} {row.name:<10} {row.ceiling:>8.2f} {held:>8}"
         for p in row.points:
             cell = f"{p.ttft_p50_s:.2f}/{p.ttft_p95_s:.2f}" + ("" if p.under_slo else "!")
             line += f"  {cell:>17}"
         out.append(line)
     rec = w.recommended
-    out.append(f"* recommended: {rec.name} (holds {rec.max_rate_under_slo:g} req/s under the SLO, ceiling "
-               f"{rec.ceiling:.2f} req/s)" if rec else "no split meets the SLO")
+    out.append(f"* recommended: {rec.name} (holds {'>= ' if rec.holds_all else ''}{rec.max_rate_under_slo:.3g} "
+               f"req/s under the SLO, ceiling {rec.ceiling:.2f} req/s)" if rec else "no split meets the SLO")
+    if any(r.holds_all for r in w.rows):
+        out.append(">= : held at every asked rate; ask higher --rates to find where it stops")
     out.append("! = TTFT p95 over the SLO (or failures) at that rate; ceiling = highest delivered req/s")
     out.extend(f"note: {n}" for n in w.notes)
     return "\n".join(out)

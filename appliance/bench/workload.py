@@ -11,7 +11,10 @@ tokenizer (a local model directory holding ``tokenizer.json`` and the optional `
 text is trimmed/extended until the tokenizer's count (special tokens included, as the engine counts them)
 matches. Without it, the documented approximation is the twin's rule (``appliance.twin.tokens``): a word of
 up to 4 characters is one token; BPE tokenizers of English models encode such a word with its leading space
-as one token too, so real engines see about the asked length (check ``usage.prompt_tokens`` in the result).
+as one token too. Before a run, ``pdctl bench`` checks that rule against the server: two probe requests of
+known word counts give ``usage.prompt_tokens``, and a linear fit (tokens = a + b x words) replaces the rule
+when it is off by more than 2 % (``calibrated``). ``total_input_tokens`` in the result is always the
+server's own count.
 
 Every prompt of a run shares the same prefix text (so a warmed KV server holds it); the unique part is
 drawn from a per-prompt seeded generator, distinct per rate, so unique chunks never hit by accident.
@@ -131,6 +134,32 @@ TWIN_APPROX = Tokenizer("approx: 1 token per word of <= 4 chars (twin rule)",
                         lambda text: len(twin_tokenize(text)), False)
 
 
+CALIBRATION_WORDS = (50, 300)   # small: a tiny test model may have max_model_len 2048
+
+
+def calibration_texts(seed: int = 2003) -> list[str]:
+    """Two texts of known word counts; the server's prompt token counts for them give a linear fit."""
+    rng = random.Random(f"{seed}:calibrate")
+    return [" ".join(rng.choice(WORDS) for _ in range(n)) for n in CALIBRATION_WORDS]
+
+
+def calibrated(counts: list) -> Tokenizer:
+    """A tokenizer fitted to the server's counts for ``calibration_texts`` (tokens = a + b x words).
+
+    Keeps the twin rule when the fit agrees with it (within 2 %), so the twin and English BPE models use
+    the exact, fast path; an unusual tokenizer (a tiny test model's byte-level BPE) gets the fitted rate.
+    """
+    (n1, n2), (t1, t2) = CALIBRATION_WORDS, counts
+    if t1 is None or t2 is None or t2 <= t1:
+        return TWIN_APPROX
+    slope = (t2 - t1) / (n2 - n1)
+    overhead = t1 - slope * n1
+    if abs(slope - 1.0) < 0.02 and abs(overhead) <= 1.5:
+        return TWIN_APPROX
+    return Tokenizer(f"calibrated on the server: {slope:.3f} tokens/word + {overhead:.0f}",
+                     lambda text: round(overhead + slope * len(text.split())), False)
+
+
 def find_tokenizer(model_dir: Optional[str]) -> Tokenizer:
     """The model directory's ``tokenizer.json`` via ``tokenizers`` when both exist, else the approximation."""
     if model_dir:
@@ -149,7 +178,7 @@ def find_tokenizer(model_dir: Optional[str]) -> Tokenizer:
 
 
 def _fit(rng: random.Random, words: list, target: int, measure: Callable[[list], int],
-         rounds: int = 200) -> tuple[list, int]:
+         rounds: int = 200, cheap: tuple = ()) -> tuple[list, int]:
     """Grow/shrink ``words`` until ``measure(words) == target`` (or the closest seen); returns (words, count).
 
     Steps are sized by the measured tokens per word (rounded down, so they rarely overshoot); the last few
@@ -163,7 +192,7 @@ def _fit(rng: random.Random, words: list, target: int, measure: Callable[[list],
             return words, n
         per_word = max(1.0, (n - base) / len(words)) if words else 1.0
         if n < target and target - n <= 3:
-            for w in rng.sample(WORDS, 24):
+            for w in (*rng.sample(WORDS, 16), *cheap):
                 words.append(w)
                 m = measure(words)
                 if m <= target:
@@ -184,6 +213,17 @@ def _fit(rng: random.Random, words: list, target: int, measure: Callable[[list],
     return best[1], best[2]
 
 
+_CHEAP: dict = {}
+
+
+def _cheapest(count: TokenCount) -> tuple:
+    """The words this tokenizer encodes in the fewest tokens (to fill the last token or two exactly)."""
+    key = id(count)
+    if key not in _CHEAP:
+        _CHEAP[key] = tuple(sorted(WORDS, key=lambda w: (count("a " + w), w))[:12])
+    return _CHEAP[key]
+
+
 def _sized(rng: random.Random, head: str, target: int, count: TokenCount) -> tuple[str, int]:
     """``head`` + random words whose total token count is ``target`` (or the closest reached).
 
@@ -196,8 +236,10 @@ def _sized(rng: random.Random, head: str, target: int, count: TokenCount) -> tup
 
     overhead = count("")          # special tokens (e.g. BOS) every encode adds
     head_n = count(head) if head else overhead
-    words, _ = _fit(rng, [], target - head_n + overhead, lambda ws: count(" ".join(ws)) if ws else overhead)
-    words, n = _fit(rng, words, target, lambda ws: count(join(ws)), rounds=12)
+    cheap = _cheapest(count)
+    words, _ = _fit(rng, [], target - head_n + overhead, lambda ws: count(" ".join(ws)) if ws else overhead,
+                    cheap=cheap)
+    words, n = _fit(rng, words, target, lambda ws: count(join(ws)), rounds=12, cheap=cheap)
     return join(words), n
 
 
@@ -214,14 +256,14 @@ class PromptFactory:
         self.profile = profile
         self.tok = tokenizer
         self.seed = seed
-        self.prefix, self.prefix_tokens = _sized(random.Random(f"{seed}:prefix"), "", profile.prefix_len,
-                                                 tokenizer.count)
+        self.prefix, self.prefix_tokens = ("", 0) if profile.prefix_len == 0 else \
+            _sized(random.Random(f"{seed}:prefix"), "", profile.prefix_len, tokenizer.count)
 
     def prompt(self, namespace: str, index: int) -> Prompt:
         rng = random.Random(f"{self.seed}:{namespace}:{index}")
         if self.profile.unique_len == 0:
             return Prompt(self.prefix, self.prefix_tokens)
-        if not self.tok.exact:  # counts add up exactly under the twin rule: no re-counting needed
+        if self.tok is TWIN_APPROX:  # counts add up exactly under the twin rule: no re-counting needed
             words = " ".join(rng.choice(WORDS) for _ in range(self.profile.unique_len))
             text = f"{self.prefix} {words}" if self.prefix else words
             return Prompt(text, self.prefix_tokens + self.profile.unique_len)

@@ -99,10 +99,12 @@ async def serve(cfg: ProxyConfig, stop: asyncio.Event | None = None) -> None:
     await server.start()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    handled = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
+            handled.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
             pass
     logging.getLogger("pdctl.proxy").warning("pdctl proxy listening on %s:%s (internal %s:%s), policy %s",
                                              cfg.host, server.public_port, cfg.internal_host,
@@ -111,6 +113,8 @@ async def serve(cfg: ProxyConfig, stop: asyncio.Event | None = None) -> None:
     try:
         await stop.wait()
     finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
         sdnotify.stopping("proxy shutting down")
         await server.stop()
 

@@ -3,7 +3,7 @@
 ``pdctl`` policy: prefiller by least outstanding work; decoder by load (proxy in-flight plus the engine's
 scraped running/waiting/KV usage) with affinity (``X-Session-Id`` or the first prompt chunk) kept while the
 preferred decoder is not much busier than the least busy one (bounded-load rendezvous hashing).
-``round-robin``: the seed's baseline, one global index over each pool, never skips the P leg.
+``round-robin``: the seed's baseline, round-robin over each pool, never skips the P leg.
 """
 from __future__ import annotations
 
@@ -67,25 +67,26 @@ class PrefixIndex:
 
 
 class RoundRobin:
-    """The seed's baseline: one global index shared by both pools, P leg always (unless aggregated)."""
+    """The seed's baseline: round-robin over each pool, P leg always (unless aggregated). (The seed shared
+    one index between both pools, which pins P/D pairs when the pool sizes share a factor; one per pool.)"""
     name = "round-robin"
 
     def __init__(self, prefill: list, decode: list, min_prompt_tokens: int, prefix: PrefixIndex):
         self.prefill, self.decode = prefill, decode
         self.min_prompt_tokens = min_prompt_tokens
         self.prefix = prefix
-        self._rr = 0
+        self._rr = {"prefill": 0, "decode": 0}
 
-    def _rotate(self, cands):
-        self._rr += 1
-        return cands[self._rr % len(cands)]
+    def _rotate(self, cands, pool: str = "decode"):
+        self._rr[pool] += 1
+        return cands[self._rr[pool] % len(cands)]
 
     def skip_reason(self, prompt_text: str, prompt_tokens: int) -> str | None:
         return SKIP_AGGREGATED if not self.prefill else None
 
     def pick_prefill(self, excluded=()):
         cands = _eligible(self.prefill, excluded)
-        return self._rotate(cands) if cands else None
+        return self._rotate(cands, "prefill") if cands else None
 
     def pick_decode(self, affinity: str | None = None, excluded=()):
         cands = _eligible(self.decode, excluded)
@@ -111,7 +112,7 @@ class PdctlPolicy(RoundRobin):
             return None
         best = min(b.inflight + b.waiting for b in cands)
         ties = [b for b in cands if b.inflight + b.waiting == best]
-        return ties[0] if len(ties) == 1 else self._rotate(ties)
+        return ties[0] if len(ties) == 1 else self._rotate(ties, "prefill")
 
     def pick_decode(self, affinity: str | None = None, excluded=()):
         cands = _eligible(self.decode, excluded)

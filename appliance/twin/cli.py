@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import sys
 
@@ -11,6 +12,22 @@ from appliance import constants as C
 from appliance.models import ModelError
 
 from .hardware import PROFILES, HardwareError
+
+
+class _JournalFormatter(logging.Formatter):
+    """``<N>`` syslog priority prefixes so journald files each line at the right level."""
+    PRI = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{self.PRI.get(record.levelno, 6)}>{record.name}: {super().format(record)}"
+
+
+def _setup_logging() -> None:
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(_JournalFormatter("%(message)s"))
+    root = logging.getLogger("pdctl")
+    root.addHandler(h)
+    root.setLevel(logging.INFO)
 
 
 def _rates(text: str) -> list[float]:
@@ -121,6 +138,7 @@ def cmd_engine(a) -> int:
     from .costmodel import EngineConfig
     from .engine import EngineOptions, run
     from .gpus import default_state_file
+    _setup_logging()
     state = a.state_file or (str(default_state_file(a.gpu_index)) if a.gpu_index is not None else None)
     cfg = _engine_cfg(a)
     cfg = EngineConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.gpu_memory_utilization, a.block_size,
@@ -134,20 +152,39 @@ def cmd_engine(a) -> int:
     except (ValueError, HardwareError, ModelError) as exc:
         print(f"pdctl twin engine: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"pdctl twin engine: cannot listen on {a.host}:{a.port} ({exc}); pick a free --port",
+              file=sys.stderr)
+        return 3
     return 0
+
+
+async def _serve_until_signal(coro) -> None:
+    """Run ``coro`` until SIGTERM/SIGINT, then cancel it so its cleanup runs (clean exit 0 under systemd)."""
+    import signal
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
 
 
 def cmd_kvserver(a) -> int:
     from .kvserver import serve
+    _setup_logging()
     if not a.l1_size_gb > 0:
         print(f"pdctl twin kvserver: --l1-size-gb must be > 0, got {a.l1_size_gb}", file=sys.stderr)
         return 2
+    import zmq
     try:
-        asyncio.run(serve(a.host, a.port, a.http_host, a.http_port, a.l1_size_gb))
+        asyncio.run(_serve_until_signal(serve(a.host, a.port, a.http_host, a.http_port, a.l1_size_gb)))
     except KeyboardInterrupt:
         return 0
-    except OSError as exc:  # includes zmq "Address already in use"
-        print(f"pdctl twin kvserver: cannot bind ({exc})", file=sys.stderr)
+    except (OSError, zmq.ZMQError) as exc:  # like lmcache server: a busy port exits 3
+        print(f"pdctl twin kvserver: cannot bind ({exc}); pick free --port/--http-port", file=sys.stderr)
         return 3
     return 0
 

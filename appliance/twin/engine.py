@@ -72,6 +72,8 @@ class _Live:
         self.done = False
 
     def token(self) -> None:
+        if self.done:            # aborted while its step ran
+            return
         now = time.monotonic()
         m = self.engine.metrics
         s = self.engine.scale
@@ -85,6 +87,8 @@ class _Live:
         self.n += 1
 
     def finish(self, reason: str) -> None:
+        if self.done:
+            return
         self.done = True
         m = self.engine.metrics
         s = self.engine.scale
@@ -118,6 +122,8 @@ class TwinEngine:
         self.name = opts.served_model_name or self.model.hf_id
         self.metrics = EngineMetrics(self, self.name)
         self.fault = Fault()
+        mode, _, arg = opts.fault.partition(":")
+        self.fault.set(mode or "none", arg or None)      # FaultError (a ValueError) on a bad --fault
         self.link_in = HostLink()
         self.link_out = HostLink()
         self.kv = KVClient(opts.kv) if opts.kv else None
@@ -136,8 +142,6 @@ class TwinEngine:
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         self._work = asyncio.Event()
-        mode, _, arg = self.opts.fault.partition(":")
-        self.fault.set(mode or "none", arg or None)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._run()))
         if self.opts.state_file:
@@ -489,4 +493,4 @@ def run(opts: EngineOptions) -> None:
     eng = TwinEngine(opts)
     print(f"Starting vLLM server on http://{opts.host}:{opts.port} (twin: {opts.role}, {eng.hw.name}, "
           f"{eng.model.name}, KV {eng.core.capacity} tokens, time-scale {opts.time_scale})", flush=True)
-    web.run_app(build_app(eng), host=opts.host, port=opts.port, access_log=None, print=None)
+    web.run_app(build_app(eng), host=opts.host, port=opts.port, access_log=None, print=None, handle_signals=True)

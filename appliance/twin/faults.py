@@ -56,8 +56,3 @@ class Fault:
     def to_dict(self) -> dict:
         return {"mode": self.mode, "arg": self.arg}
 
-
-def parse(spec: str) -> tuple[str, object]:
-    """``MODE[:ARG]`` -> (mode, arg or None)."""
-    mode, _, arg = spec.partition(":")
-    return mode.strip(), (arg.strip() or None)

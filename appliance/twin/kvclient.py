@@ -1,7 +1,8 @@
 """Async client of the twin KV server's ZMQ RPC (DEALER socket, msgpack frames, see ``kvserver``).
 
 A KV server that does not answer within the timeout counts as a miss (lookup 0 tokens, store dropped),
-like a vLLM worker whose LMCache server went away: requests still complete, by recomputing.
+like a vLLM worker whose LMCache server went away: requests still complete, by recomputing. After a
+time-out the client skips the server for ``backoff_s`` so every request does not pay the time-out.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ log = logging.getLogger("pdctl.twin.kvclient")
 
 
 class KVClient:
-    def __init__(self, url: str, timeout_s: float = 2.0):
+    def __init__(self, url: str, timeout_s: float = 2.0, backoff_s: float = 5.0):
         if "://" not in url:
             url = "tcp://" + url
         self.url = url
@@ -26,6 +27,8 @@ class KVClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._uids = itertools.count(1)
         self.errors = 0
+        self.backoff_s = backoff_s
+        self._down_until = 0.0
 
     def _ensure(self) -> None:
         if self._sock is not None:
@@ -64,10 +67,14 @@ class KVClient:
             self._pending.pop(uid, None)
 
     async def _safe(self, op: str, *args: Any, default: int = 0) -> int:
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._down_until:
+            return default
         try:
             res = await self.call(op, *args)
         except (asyncio.TimeoutError, OSError) as exc:
             self.errors += 1
+            self._down_until = loop.time() + self.backoff_s
             log.warning("KV server %s: %s failed (%s); treating as miss", self.url, op, type(exc).__name__)
             return default
         if isinstance(res, dict):

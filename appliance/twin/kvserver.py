@@ -7,7 +7,8 @@ LMCache-compatible ops: ``ping`` (22) -> True, ``noop`` (24) -> "OK", ``get_chun
 - ``twin_store``  payload ``model_name, [[hash, tokens, bytes], ...]``  -> chunks written
 - ``twin_lookup`` payload ``model_name, [[hash, tokens], ...]``         -> hit tokens (longest stored prefix)
 - ``twin_peek``   same payload as lookup, not counted, LRU untouched    -> hit tokens
-Unknown ops answer ``{"error": ...}``.
+Unknown ops answer ``{"error": ...}``. Requested-token counters include the partial last chunk (the seed
+stored unfull chunks, ``LMCACHE_SAVE_UNFULL_CHUNK=true``); LMCache without it counts whole chunks only.
 
 HTTP (loopback by default): ``/healthcheck``, ``/status`` (LMCache's key layout), ``/metrics``
 (``lmcache_mp_*`` names), ``/version``, ``POST /cache/clear``.

@@ -13,9 +13,16 @@ Policies:
   index on ties); skip the P leg when the prompt is shorter than one LMCache chunk (nothing could be
   transferred) or when the KV server already holds all but at most ``skip_uncached_max`` (512) tokens of
   the prompt; the decoder then prefills the short remainder itself and no store wait is needed.
+  With 0 prefillers (pdctl only) every engine is ``both``: it prefills everything it is sent and stores
+  the chunks it computed in the KV server, as LMCache's ``kv_both`` role does.
 
 Warm-up like the seed: the shared prefix chunks are in the KV server before the first request.
-Arrivals are Poisson (``vllm bench serve``'s default), the first at t=0.
+Arrivals are Poisson (``vllm bench serve``'s default), the first at t=0. Each rate starts from idle
+engines. Output keys follow ``vllm bench serve`` (``request_throughput`` = completed / duration, the
+duration ending at the last response, so finite runs read below the steady-state ceiling), plus
+``kv_hit_rate`` (KV server view: hit / looked-up tokens over all lookups of both legs, like
+``lmcache_mp_lookup_hit_tokens / ..._requested_tokens``), ``max_concurrent_requests`` (client side),
+``p_leg_skipped`` and ``preemptions``.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import heapq
 import math
 import random
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from appliance.constants import LMCACHE_CHUNK_TOKENS
@@ -167,7 +174,7 @@ class _Stack:
         if self.policy.name == "pdctl":
             n = self.wl.input_len
             cached = min(self.store.peek(req.keys), n - 1)
-            if n < LMCACHE_CHUNK_TOKENS or n - cached <= self.policy.skip_uncached_max:
+            if not self.pre or n < LMCACHE_CHUNK_TOKENS or n - cached <= self.policy.skip_uncached_max:
                 req.skipped_p = True
                 self.send_d(t, req)
                 return
@@ -234,7 +241,11 @@ class _PLeg:
 
 class _DLeg(_PLeg):
     def on_first(self, t: float, seq: Seq) -> None:
-        self.req.ttft = t + self.s.p.http_hop_s - self.req.arrival
+        s = self.s
+        self.req.ttft = t + s.p.http_hop_s - self.req.arrival
+        if not s.pre and seq.preemptions == 0:   # no prefillers: engines run kv_both and store what they computed
+            stored_at = self.eng.link_out.reserve(t, s.cost.host_transfer_time(seq.prompt_len - seq.hit))
+            s.loop.at(stored_at, s.stored, self.req)
 
     def on_finish(self, t: float, seq: Seq) -> None:
         self.eng.outstanding -= 1

@@ -143,7 +143,7 @@ def test_dry_run_tree(rendered):
     for line in units.splitlines():  # no config value reaches a shell
         if line.startswith("Exec"):
             assert "sh -c" not in line and "bash" not in line
-    assert "PartOf=pd.target" in units and "WantedBy=pd.target" in units and "BindsTo=pd-kvcache.service" in units
+    assert "PartOf=pd.target" in units and "WantedBy=pd.target" in units and "Wants=pd-kvcache.service" in units
     plan = json.loads((rendered / "etc/pdctl/plan.json").read_text())
     assert [w["instance"] for w in plan["workers"]] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
 

@@ -37,7 +37,11 @@ class Engine:
 
     async def hang_if(self, *modes):
         if self.mode in modes:
-            await asyncio.sleep(3600)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled += 1      # the client (the proxy) closed the connection
+                raise
 
     async def health(self, request):
         await self.hang_if("hang_all")

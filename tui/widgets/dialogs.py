@@ -1,6 +1,7 @@
 """Modal screens: a yes/no confirmation for unit actions, and the help screen (keys + why NA)."""
 from __future__ import annotations
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -55,7 +56,7 @@ class Help(ModalScreen[None]):
         self.notes = notes
 
     def compose(self) -> ComposeResult:
-        why = "\n".join(f"  {n}" for n in self.notes) or "  nothing: every source answered"
+        why = "\n".join(f"  {escape(n)}" for n in self.notes) or "  nothing: every source answered"
         with Vertical(id="help"):
             yield Static(HELP + "\n[b]Why values are NA[/b]\n" + why, id="help-text", markup=True)
 

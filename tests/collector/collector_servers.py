@@ -6,6 +6,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from appliance.plan import Plan
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
@@ -36,7 +38,8 @@ class Endpoint:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                       daemon=True)
         self.thread.start()
 
     def set(self, path: str, body: str | dict, status: int = 200) -> None:
@@ -125,3 +128,16 @@ def proxy_metrics(requests: float, ttft_obs: list[float], skipped: dict | None =
         lines += [f'pdctl_proxy_backend_state{{backend="{b}",role="{role}"}} {float(v)}'
                   for b, (role, v) in backend_state.items()]
     return "\n".join(lines) + "\n"
+
+
+def make_plan(workers: dict, kv_port: int, proxy_port: int, internal_port: int, engine: str = "vllm",
+              engine_version: str = "0.33.0") -> Plan:
+    """A Plan (through its JSON form, as the lead's config stores it) pointing at the given ports."""
+    return Plan.from_json({
+        "mode": "disaggregated", "engine": engine, "engine_version": engine_version, "model": "tiny",
+        "workers": [{"instance": inst, "role": inst.split("-")[0], "gpus": gpus, "port": port, "argv": ["x"],
+                     "env": {}} for inst, (port, gpus) in workers.items()],
+        "kv_server": {"kind": "lmcache", "zmq_port": 1, "http_port": kv_port, "l1_size_gb": 4, "argv": []},
+        "proxy": {"host": "127.0.0.1", "port": proxy_port, "internal_port": internal_port},
+        "reasons": [],
+    })

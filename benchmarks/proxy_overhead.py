@@ -1,0 +1,356 @@
+"""Proxy overhead: TTFT direct-to-decoder vs through pdctl vs through vllm-router, same run, same engines.
+
+Instant stand-in engines (a lean asyncio HTTP server in its own process: a prefiller and a decoder
+answering at once in vLLM's SSE shape) isolate what the proxy itself adds. Streaming Poisson load at each
+rate from a lean keep-alive HTTP/1.1 client (its own process), TTFT = request written -> first ``data:``
+chunk read. Every request through a proxy takes both legs (pdctl runs with --pd-min-prompt-tokens 0).
+
+    .venv/bin/python benchmarks/proxy_overhead.py                # 60 and 300 req/s, then 600 req/s sustained
+    .venv/bin/python benchmarks/proxy_overhead.py --rates 60 --duration 5 --no-sustained
+
+vllm-router (PyPI ``vllm-router==0.1.17``, benchmark-only) is looked up on PATH and next to this Python.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny"
+TOKENS = 4
+
+
+# ----------------------------------------------------------------------------- instant engines
+def _sse(i: int, last: bool) -> bytes:
+    ch = {"id": "cmpl-bench", "object": "text_completion", "created": 1, "model": MODEL,
+          "choices": [{"index": 0, "text": "tok", "logprobs": None, "finish_reason": "length" if last else None,
+                       "stop_reason": None}]}
+    return b"data: " + json.dumps(ch).encode() + b"\n\n"
+
+
+_EVENTS = [_sse(i, i == TOKENS - 1) for i in range(TOKENS)] + [b"data: [DONE]\n\n"]
+_STREAM = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
+           + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in _EVENTS) + b"0\r\n\r\n")
+_JSON_BODY = json.dumps({"id": "cmpl-bench", "object": "text_completion", "created": 1, "model": MODEL,
+                         "choices": [{"index": 0, "text": "tok", "logprobs": None, "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8},
+                         "kv_transfer_params": None}).encode()
+_MODELS_BODY = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "created": 1,
+                                                        "owned_by": "vllm", "max_model_len": 4096}]}).encode()
+_METRICS_BODY = (b"vllm:num_requests_running{engine=\"0\"} 0.0\nvllm:num_requests_waiting{engine=\"0\"} 0.0\n"
+                 b"vllm:kv_cache_usage_perc{engine=\"0\"} 0.0\n")
+
+
+def _plain(body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (ctype, len(body), body)
+
+
+class EngineProto(asyncio.Protocol):
+    def connection_made(self, t):
+        self.t, self.buf = t, b""
+
+    def data_received(self, data):
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].decode("latin-1")
+            clen = 0
+            for line in head.split("\r\n")[1:]:
+                k, _, v = line.partition(":")
+                if k.strip().lower() == "content-length":
+                    clen = int(v.strip())
+            if len(self.buf) < end + 4 + clen:
+                return
+            body = self.buf[end + 4:end + 4 + clen]
+            self.buf = self.buf[end + 4 + clen:]
+            method, path = head.split(" ", 2)[:2]
+            if method == "POST":
+                stream = b'"stream": true' in body or b'"stream":true' in body
+                self.t.write(_STREAM if stream else _plain(_JSON_BODY))
+            elif path.startswith("/v1/models"):
+                self.t.write(_plain(_MODELS_BODY))
+            elif path.startswith("/metrics"):
+                self.t.write(_plain(_METRICS_BODY, b"text/plain"))
+            else:
+                self.t.write(_plain(b"{}"))
+
+
+async def _engines(ports: list) -> None:
+    loop = asyncio.get_running_loop()
+    for p in ports:
+        await loop.create_server(EngineProto, "127.0.0.1", p, backlog=4096, reuse_address=True)
+    await asyncio.Event().wait()
+
+
+# ----------------------------------------------------------------------------- lean load generator
+class Client:
+    """Keep-alive HTTP/1.1 connections to one host:port; one request per connection at a time."""
+
+    def __init__(self, port: int):
+        self.port, self.free = port, []
+
+    async def _conn(self):
+        if self.free:
+            return self.free.pop()
+        return await asyncio.open_connection("127.0.0.1", self.port, limit=1 << 20)
+
+    async def post(self, path: str, body: bytes) -> tuple:
+        """(ok, ttft_s, total_s): ok means HTTP 200 and a [DONE] at the end."""
+        r, w = await self._conn()
+        t0 = time.perf_counter()
+        w.write(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAccept: text/event-stream"
+                b"\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+        head = await r.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        lower = head.lower()
+        ttft, done, data = None, False, b""
+        if b"transfer-encoding: chunked" in lower:
+            while True:
+                line = await r.readline()
+                size = int(line.split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    await r.readline()
+                    break
+                data = await r.readexactly(size + 2)
+                if ttft is None and b"data:" in data:
+                    ttft = time.perf_counter() - t0
+                if b"[DONE]" in data:
+                    done = True
+        else:
+            i = lower.find(b"content-length:")
+            n = int(lower[i + 15:lower.find(b"\r\n", i)]) if i >= 0 else 0
+            data = await r.readexactly(n)
+            ttft = time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        if b"connection: close" in lower:
+            w.close()
+        else:
+            self.free.append((r, w))
+        return status == 200 and (done or b"data:" not in data), ttft or total, total
+
+
+async def load(port: int, rate: float, duration: float, seed: int = 2003) -> dict:
+    """Open-loop Poisson arrivals; returns TTFT percentiles and the delivered rate."""
+    cl = Client(port)
+    rng = random.Random(seed)
+    results, tasks = [], []
+    errors = {"n": 0, "last": ""}
+
+    async def one(i: int):
+        body = json.dumps({"model": MODEL, "prompt": f"request {i} " + "lorem ipsum " * 16,
+                           "max_tokens": TOKENS, "temperature": 0, "stream": True}).encode()
+        try:
+            ok, ttft, total = await cl.post("/v1/completions", body)
+        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+            errors["n"] += 1
+            errors["last"] = repr(e)[:120]
+            return
+        if ok:
+            results.append((ttft, total))
+        else:
+            errors["n"] += 1
+
+    # warm the connection pool a little so connection setup is not measured as overhead
+    await asyncio.gather(*(one(-k) for k in range(8)))
+    results.clear()
+    start = time.perf_counter()
+    t, i = 0.0, 0
+    while t < duration:
+        now = time.perf_counter() - start
+        if t > now:
+            await asyncio.sleep(t - now)
+        tasks.append(asyncio.ensure_future(one(i)))
+        i += 1
+        t += rng.expovariate(rate)
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
+    ttfts = sorted(r[0] for r in results)
+
+    def pct(p):
+        return ttfts[min(len(ttfts) - 1, int(p / 100 * len(ttfts)))] * 1000 if ttfts else float("nan")
+    return {"sent": i, "ok": len(results), "errors": errors["n"], "last_error": errors["last"],
+            "wall_s": wall, "ttft_ms": [round(x * 1000, 4) for x in ttfts]}
+
+
+def summarize(slices: list) -> dict:
+    """Merge load slices of one target: percentiles over all samples, delivered rate over all wall time."""
+    ttfts = sorted(x for s in slices for x in s["ttft_ms"])
+    wall = sum(s["wall_s"] for s in slices)
+
+    def pct(p):
+        return ttfts[min(len(ttfts) - 1, int(p / 100 * len(ttfts)))] if ttfts else float("nan")
+    return {"sent": sum(s["sent"] for s in slices), "ok": len(ttfts), "errors": sum(s["errors"] for s in slices),
+            "last_error": next((s["last_error"] for s in slices if s["last_error"]), ""),
+            "delivered_rps": len(ttfts) / wall if wall else 0.0, "p50_ms": pct(50), "p99_ms": pct(99),
+            "mean_ms": sum(ttfts) / len(ttfts) if ttfts else float("nan")}
+
+
+# ----------------------------------------------------------------------------- orchestration
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float = 30.0, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout} s")
+
+
+def _stop(proc) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _router_bin() -> str | None:
+    cand = Path(sys.executable).with_name("vllm-router")
+    return str(cand) if cand.exists() else shutil.which("vllm-router")
+
+
+def start_target(name: str, p_port: int, d_port: int):
+    """(port, process) of the thing to load: the decoder itself, pdctl, or vllm-router."""
+    if name == "direct":
+        return d_port, None
+    port = _free_port()
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    if name == "pdctl":
+        argv = [sys.executable, "-m", "appliance", "proxy", "--listen", f"127.0.0.1:{port}",
+                "--internal", "127.0.0.1:0", "--prefill", p_url, "--decode", d_url, "--pd-min-prompt-tokens", "0"]
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_http(f"http://127.0.0.1:{port}/ready", 30, proc)
+    else:
+        rb = _router_bin()
+        if rb is None:
+            raise RuntimeError("vllm-router is not installed (pip install vllm-router==0.1.17)")
+        argv = [rb, "--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url, "--host", "127.0.0.1",
+                "--port", str(port), "--log-level", "error"]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_http(f"http://127.0.0.1:{port}/v1/models", 60, proc)
+    return port, proc
+
+
+def run_load(port: int, rate: float, duration: float) -> dict:
+    """The load generator in its own process (uvloop), so it does not share an event loop with anything."""
+    out = subprocess.run([sys.executable, __file__, "--load", str(port), str(rate), str(duration)],
+                         capture_output=True, text=True, timeout=duration * 6 + 60)
+    if out.returncode != 0:
+        raise RuntimeError(f"load generator failed: {out.stderr[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _row(name: str, r: dict, base: dict | None) -> str:
+    ov = ""
+    if base is not None:
+        ov = f"  overhead p50 {r['p50_ms'] - base['p50_ms']:+7.2f} ms  p99 {r['p99_ms'] - base['p99_ms']:+7.2f} ms"
+    return (f"  {name:<12} ok {r['ok']:>6}/{r['sent']:<6} err {r['errors']:<4} {r['delivered_rps']:7.1f} req/s  "
+            f"TTFT p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms{ov}")
+
+
+def measure(targets: dict, rate: float, duration: float, slice_s: float) -> dict:
+    """Interleave short load slices over the targets (rotating the order each round), so that whatever
+    else this shared box is doing lands on every target alike; then merge each target's samples."""
+    names = list(targets)
+    rounds = max(1, round(duration / slice_s))
+    got: dict = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            got[n].append(run_load(targets[n], rate, duration / rounds))
+    return {n: summarize(v) for n, v in got.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[60, 300])
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of load per target and rate")
+    ap.add_argument("--slice", type=float, default=4.0, help="seconds per interleaved load slice")
+    ap.add_argument("--targets", nargs="+", default=["direct", "pdctl", "vllm-router"])
+    ap.add_argument("--sustained-rate", type=float, default=600)
+    ap.add_argument("--sustained-duration", type=float, default=20.0)
+    ap.add_argument("--no-sustained", action="store_true")
+    ap.add_argument("--json", type=Path, help="also write all results here")
+    a = ap.parse_args()
+    p_port, d_port = _free_port(), _free_port()
+    eng = subprocess.Popen([sys.executable, __file__, "--engines", str(p_port), str(d_port)])
+    procs, ports = [], {}
+    results: dict = {"cpus": os.cpu_count(), "rates": {}}
+    try:
+        _wait_http(f"http://127.0.0.1:{d_port}/health", 10, eng)
+        _wait_http(f"http://127.0.0.1:{p_port}/health", 10, eng)
+        for name in a.targets:
+            try:
+                port, proc = start_target(name, p_port, d_port)
+            except RuntimeError as e:
+                print(f"{name}: not run: {e}")
+                continue
+            ports[name] = port
+            procs.append(proc)
+        print(f"proxy overhead on {os.cpu_count()} CPUs: instant engines, streaming Poisson load, {a.duration:g} s "
+              f"per target and rate in interleaved {a.slice:g} s slices, {TOKENS} tokens per answer")
+        for rate in a.rates:
+            print(f"rate {rate:g} req/s")
+            res = measure(ports, rate, a.duration, a.slice)
+            for name in ports:
+                print(_row(name, res[name], res.get("direct") if name != "direct" else None), flush=True)
+            results["rates"][str(rate)] = res
+        if not a.no_sustained and "pdctl" in ports and "direct" in ports:
+            rate = a.sustained_rate
+            print(f"sustained {rate:g} req/s streamed ({a.sustained_duration:g} s each)")
+            res = measure({k: ports[k] for k in ("direct", "pdctl")}, rate, a.sustained_duration, a.slice * 2)
+            for name in ("direct", "pdctl"):
+                print(_row(name, res[name], res.get("direct") if name != "direct" else None), flush=True)
+            ov99 = res["pdctl"]["p99_ms"] - res["direct"]["p99_ms"]
+            good = res["pdctl"]["delivered_rps"] >= 0.97 * rate and res["pdctl"]["errors"] == 0 and ov99 < 30
+            print(f"  sustained check: delivered {res['pdctl']['delivered_rps']:.1f} req/s, p99 overhead "
+                  f"{ov99:.2f} ms (< 30 ms) -> {'PASS' if good else 'FAIL'}")
+            results["sustained"] = dict(res, p99_overhead_ms=ov99, passed=good)
+    finally:
+        for p in procs:
+            _stop(p)
+        _stop(eng)
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    if len(sys.argv) > 1 and sys.argv[1] == "--engines":
+        runner(_engines([int(p) for p in sys.argv[2:]]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--load":
+        r = runner(load(int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])))
+        print(json.dumps(r))
+    else:
+        sys.exit(main())

@@ -1,0 +1,79 @@
+"""What-if on the twin simulator: the seed's box (3x A100-80GB, V2-Lite) must rank 1P2D first, as measured."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from appliance.bench import BenchError
+from appliance.bench.whatif import render, splits, what_if
+from appliance.inventory import detect
+from appliance.twin.simulator import Workload
+
+from .conftest import pdctl
+
+
+@pytest.fixture(scope="module")
+def seed_box():
+    return what_if(detect("fake:3xA100-80GB"), "deepseek-v2-lite", Workload(), (1, 2, 5, 10, 20),
+                   policy="round-robin", num_prompts=300)
+
+
+def test_splits_include_smaller_ones():
+    assert splits(3) == [(1, 1), (1, 2), (2, 1)]
+    assert len(splits(8)) == sum(t - 1 for t in range(2, 9))
+
+
+def test_seed_hardware_ranks_1p2d_above_1p1d_and_2p1d(seed_box):
+    names = [r.name for r in seed_box.rows]
+    assert names[0] == "1P2D" and set(names) == {"1P1D", "1P2D", "2P1D"}
+    rec = seed_box.recommended
+    assert rec.name == "1P2D" and rec.recommended and sum(r.recommended for r in seed_box.rows) == 1
+    by = {r.name: r for r in seed_box.rows}
+    assert by["1P2D"].max_rate_under_slo > by["1P1D"].max_rate_under_slo
+    assert by["1P2D"].max_rate_under_slo > by["2P1D"].max_rate_under_slo
+    assert by["1P2D"].ceiling > 1.2 * max(by["1P1D"].ceiling, by["2P1D"].ceiling)
+    p10 = by["1P2D"].point(10.0)
+    assert p10.under_slo and p10.ttft_p95_s < by["1P1D"].point(10.0).ttft_p95_s
+
+
+def test_render_and_json(seed_box):
+    text = render(seed_box)
+    star = [ln for ln in text.splitlines() if ln.startswith("* 1P2D")]
+    assert star and "recommended: 1P2D" in text
+    d = json.loads(json.dumps(seed_box.to_json()))
+    assert d["splits"][0]["split"] == "1P2D" and d["splits"][0]["recommended"] is True
+    assert {"asked", "delivered", "ttft_p50_s", "ttft_p95_s", "failed", "under_slo"} <= set(d["splits"][0]["points"][0])
+
+
+def test_an_unmeetable_slo_recommends_nothing_and_says_why():
+    w = what_if(detect("fake:2xA100-80GB"), "deepseek-v2-lite", Workload(), (5,), slo_ttft_p95_s=0.01,
+                num_prompts=50)
+    assert w.recommended is None and any("no split holds" in n for n in w.notes)
+
+
+@pytest.mark.parametrize("spec,kw,needle", [
+    ("fake:1xA100-80GB", {}, ">= 2 engines"),
+    ("fake:3xA100-80GB", {"rates": (0,)}, "finite numbers > 0"),
+    ("fake:3xA100-80GB", {"objective": "cheapest"}, "--objective"),
+    ("fake:3xA100-80GB", {"tp": 2}, ">= 2 engines"),
+])
+def test_bad_what_if_input(spec, kw, needle):
+    with pytest.raises(BenchError) as e:
+        what_if(detect(spec), "deepseek-v2-lite", num_prompts=20, **{"rates": (1,), **kw})
+    assert needle in str(e.value)
+
+
+def test_mixed_box_is_planned_on_its_largest_group():
+    w = what_if(detect("fake:3xH100+1xA100-80GB"), "deepseek-v2-lite", Workload(), (2,), num_prompts=30)
+    assert w.hardware == "h100-80gb" and w.engines == 3 and any("mixed GPUs" in n for n in w.notes)
+
+
+def test_cli_what_if():
+    r = pdctl("bench", "what-if", "--gpus", "fake:3xA100-80GB", "--rates", "5,10", "--sim-prompts", "200",
+              "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["splits"][0]["split"] == "1P2D" and d["splits"][0]["recommended"]
+    r = pdctl("bench", "what-if", "--gpus", "fake:1xH200")
+    assert r.returncode == 2 and ">= 2 engines" in r.stderr

@@ -1,0 +1,223 @@
+"""Collector against real little HTTP servers serving real-looking /metrics, /status and /ready."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from collector_servers import lmcache_metrics, make_plan, proxy_metrics, vllm_metrics
+
+from appliance.collector import CallableSampler, Collector, NoGpus, NoUnits, collect_once
+from appliance.collector.scrape import parse_metrics
+from appliance.inventory import NA, is_na
+
+KV_STATUS = {"is_healthy": True, "chunk_size": 256, "active_sessions": 2,
+             "storage_manager": {"l1_manager": {"total_object_count": 12, "memory_used_bytes": 3 * 2**30,
+                                                "memory_total_bytes": 8 * 2**30, "memory_usage_ratio": 0.375}}}
+
+
+@pytest.fixture
+def stack(endpoints):
+    """prefill-0 + decode-0 + KV server + proxy (public and internal port), all healthy."""
+    p, d, kv, px, pxi = (endpoints() for _ in range(5))
+    plan = make_plan({"prefill-0": (p.port, [0]), "decode-0": (d.port, [1])}, kv.port, px.port, pxi.port)
+    for e in (p, d):
+        e.set("/health", "")
+    p.set("/metrics", vllm_metrics(prefix_q=1000, prefix_h=100, ext_q=1000, ext_h=0, prompt=1000, gen=10))
+    d.set("/metrics", vllm_metrics(prefix_q=1000, prefix_h=0, ext_q=1000, ext_h=100, prompt=1000, gen=500,
+                                   running=3, waiting=1, kv=0.25))
+    kv.set("/healthcheck", "")
+    kv.set("/status", KV_STATUS)
+    kv.set("/metrics", lmcache_metrics(requested=10_000, hit=1_000))
+    px.set("/metrics", proxy_metrics(100, [3.0] * 100, {"short_prompt": 2}))
+    px.set("/ready", {"ready": True})
+    return plan, {"p": p, "d": d, "kv": kv, "px": px, "pxi": pxi}
+
+
+def collector(plan, **kw) -> Collector:
+    kw.setdefault("units", NoUnits("test: no systemd"))
+    return Collector(plan, NoGpus("test: no GPUs"), interval=0.2, window_s=30, **kw)
+
+
+def test_ratios_and_rates_come_from_deltas_not_lifetime_totals(stack):
+    plan, ep = stack
+    c = collector(plan)
+    first = c.tick()
+    assert is_na(first.workers[0].local_hit_rate) and "two ticks" in first.workers[0].local_hit_rate.reason
+    # lifetime prefill local ratio is 10 %; in this window 450 of 500 new queries hit -> 90 %
+    ep["p"].set("/metrics", vllm_metrics(prefix_q=1500, prefix_h=550, ext_q=1500, ext_h=0, prompt=1500, gen=20))
+    ep["d"].set("/metrics", vllm_metrics(prefix_q=1500, prefix_h=0, ext_q=1500, ext_h=500, prompt=1500, gen=700,
+                                         running=3, waiting=1, kv=0.25))
+    ep["kv"].set("/metrics", lmcache_metrics(requested=11_000, hit=1_800))
+    ep["px"].set("/metrics", proxy_metrics(110, [3.0] * 100 + [0.07] * 10, {"short_prompt": 5}))
+    time.sleep(0.3)
+    s = c.tick()
+    pre, dec = s.workers
+    assert pre.local_hit_rate == pytest.approx(0.9)
+    assert dec.external_hit_rate == pytest.approx(400 / 500)
+    assert s.kv_layers.engine_local == pytest.approx(450 / 1000)     # token-weighted across workers
+    assert s.kv_layers.connector == pytest.approx(400 / 1000)
+    assert s.kv.hit_rate == pytest.approx(800 / 1000)
+    assert s.traffic.gen_tps == pytest.approx((10 + 200) / s.window_s, rel=0.05)
+    assert s.proxy.req_per_s == pytest.approx(10 / s.window_s, rel=0.05)
+    assert dict(s.proxy.pd_skipped) == {"short_prompt": 3.0}
+    # TTFT over the window only: the 10 new requests were all <= 0.1 s, the 100 old ones 3 s
+    assert s.proxy.ttft_p50_s <= 0.1 and s.proxy.ttft_p95_s <= 0.1
+    assert (dec.running, dec.waiting, dec.kv_usage) == (3.0, 1.0, 0.25)
+    assert s.kv.l1_usage == 0.375 and s.kv.active_sessions == 2 and s.kv.l1_total_bytes == 8 * 2**30
+    assert s.overall == "ready", s.overall_reasons
+    assert s.history["ttft_p95"][-1] == s.proxy.ttft_p95_s
+
+
+def test_down_endpoint_is_na_with_reason_and_the_rest_stays_live(stack):
+    plan, ep = stack
+    ep["d"].close()
+    ep["kv"].routes.pop("/status")
+    c = collector(plan)
+    c.tick()
+    time.sleep(0.2)
+    s = c.tick()
+    dec = s.workers[1]
+    assert is_na(dec.health) and "refused" in dec.health.reason
+    assert is_na(dec.running) and "refused" in dec.running.reason
+    assert s.workers[0].health == "ok" and s.workers[0].prompt_tps == 0.0
+    assert s.workers[0].local_hit_rate.reason == "no lookups in the window"
+    assert s.overall == "degraded" and any("decode-0" in r for r in s.overall_reasons)
+    # /status missing: L1 figures fall back to the KV server's /metrics gauges and the plan's L1 size
+    assert s.kv.l1_usage == 0.25 and s.kv.l1_used_bytes == 2**30 and s.kv.l1_total_bytes == 4 * 2**30
+    assert is_na(s.kv.active_sessions) and "HTTP 404" in s.kv.active_sessions.reason
+
+
+def test_unhealthy_and_hung_endpoints(stack):
+    plan, ep = stack
+    ep["p"].set("/health", "engine dead", status=503)
+    ep["d"].hang.add("/health")
+    c = collector(plan, timeout_s=0.3)
+    t0 = time.monotonic()
+    s = c.tick()
+    assert time.monotonic() - t0 < 1.5                       # parallel scrapes: one time-out, not one each
+    assert s.workers[0].health == "unhealthy (HTTP 503)"
+    assert s.workers[1].health.startswith("starting")        # engines bind before loading: no answer yet
+    assert s.overall == "degraded"
+
+
+def test_proxy_not_ready_and_proxy_down(stack):
+    plan, ep = stack
+    ep["px"].set("/ready", {"ready": False, "reason": "no decoder passed the canary"}, status=503)
+    s = collector(plan).tick()
+    assert s.proxy.health == "ok" and "no decoder passed the canary" in s.proxy.ready
+    assert s.overall == "degraded"
+    ep["px"].close()
+    s = collector(plan).tick()
+    assert s.overall == "down" and is_na(s.proxy.ttft_p50_s) and "refused" in s.proxy.ttft_p50_s.reason
+
+
+def test_legacy_vllm_metric_names_are_resolved_per_version(stack):
+    plan, ep = stack
+    plan = make_plan({"prefill-0": (ep["p"].port, [0])}, ep["kv"].port, ep["px"].port, ep["pxi"].port,
+                     engine_version="0.8.5")
+    ep["p"].set("/metrics", vllm_metrics(prefix_q=100, prefix_h=10, kv=0.5, legacy=True))
+    c = collector(plan)
+    c.tick()
+    ep["p"].set("/metrics", vllm_metrics(prefix_q=300, prefix_h=110, kv=0.5, legacy=True))
+    time.sleep(0.2)
+    w = c.tick().workers[0]
+    assert w.local_hit_rate == pytest.approx(0.5)             # from vllm:gpu_prefix_cache_*
+    assert w.kv_usage == 0.5                                  # from vllm:gpu_cache_usage_perc
+    assert is_na(w.external_hit_rate) and "absent in this engine version" in w.external_hit_rate.reason
+
+
+def test_counter_reset_counts_from_the_restart(stack):
+    plan, ep = stack
+    c = collector(plan)
+    c.tick()
+    ep["p"].set("/metrics", vllm_metrics(prefix_q=200, prefix_h=50, prompt=200))   # engine restarted
+    time.sleep(0.2)
+    w = c.tick().workers[0]
+    assert w.local_hit_rate == pytest.approx(0.25)
+    assert w.prompt_tps > 0
+
+
+def test_lmcache_counters_that_appear_late_count_from_zero(stack):
+    plan, ep = stack
+    c = collector(plan)
+    c.tick()                                                   # no evicted counter yet
+    ep["kv"].set("/metrics", lmcache_metrics(requested=10_000, hit=1_000, evicted=12))
+    time.sleep(0.2)
+    s = c.tick()
+    assert s.kv.evicted_chunks == 12.0 and s.kv.evictions_per_s > 0
+
+
+def test_breakers_from_status_json_then_from_the_gauge(stack):
+    plan, ep = stack
+    ep["pxi"].set("/pdctl/status", {"backends": [
+        {"name": "prefill-0", "url": f"http://127.0.0.1:{ep['p'].port}", "role": "prefill", "state": "closed"},
+        {"name": "", "url": f"http://127.0.0.1:{ep['d'].port}", "role": "decode", "state": "open"}]})
+    s = collector(plan).tick()
+    assert [w.breaker for w in s.workers] == ["closed", "open"]
+    assert s.overall == "degraded" and "decode-0: breaker open" in s.overall_reasons
+    ep["pxi"].routes.clear()
+    ep["px"].set("/metrics", proxy_metrics(1, [0.1], backend_state={"prefill-0": ("prefill", 2),
+                                                                   "decode-0": ("decode", 0)}))
+    s = collector(plan).tick()
+    assert [w.breaker for w in s.workers] == ["half_open", "closed"]
+
+
+def test_malformed_metrics_are_an_error_value(stack):
+    plan, ep = stack
+    ep["p"].set("/metrics", "vllm:num_requests_running{engine=\"0\" 1.0\n")
+    w = collector(plan).tick().workers[0]
+    assert is_na(w.running) and "unparsable" in w.running.reason
+    assert isinstance(parse_metrics("garbage{{{ 1\n"), str)
+
+
+def test_gpu_rows_carry_the_owning_worker_and_a_failing_sampler_degrades_only_gpus(stack):
+    plan, _ = stack
+    recs = [{"index": 0, "name": "NVIDIA H200", "utilization_pct": 55.0, "memory_used_bytes": 70 * 2**30,
+             "memory_total_bytes": 141 * 2**30, "temperature_c": 50.0, "power_w": 400.0, "power_limit_w": 700.0},
+            {"index": 1, "name": "NVIDIA H200", "utilization_pct": 10.0, "memory_used_bytes": 20 * 2**30,
+             "memory_total_bytes": 141 * 2**30, "temperature_c": 40.0, "power_w": 150.0}]
+    c = Collector(plan, CallableSampler(lambda: recs, source="twin"), units=NoUnits("x"))
+    s = c.tick()
+    assert s.gpu_source == "twin"
+    assert [(g.instance, g.role, g.util_pct) for g in s.gpus] == [("prefill-0", "prefill", 55.0),
+                                                                  ("decode-0", "decode", 10.0)]
+    assert is_na(s.gpus[1].power_limit_w)
+
+    def broken():
+        raise RuntimeError("twin engine gone")
+    s = Collector(plan, CallableSampler(broken), units=NoUnits("x")).tick()
+    assert is_na(s.gpu_source) and "twin engine gone" in s.gpu_source.reason and s.gpus == ()
+    assert s.workers[0].health == "ok"
+
+
+def test_background_thread_produces_snapshots_and_stops(stack):
+    plan, _ = stack
+    c = collector(plan).start()
+    try:
+        deadline = time.monotonic() + 5
+        while (c.latest() is None or c.latest().tick < 3) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        snap = c.latest()
+        assert snap is not None and snap.tick >= 3
+        assert not is_na(snap.workers[0].local_hit_rate) or "no" in snap.workers[0].local_hit_rate.reason
+    finally:
+        c.stop()
+    assert c._thread is None
+
+
+def test_collect_once_with_settle_fills_rates_and_serializes(stack):
+    plan, _ = stack
+    s = collect_once(plan, NoGpus("none"), units=NoUnits("x"), settle_s=0.2, slo_ttft_s=2.0)
+    assert s.tick == 2 and s.slo_ttft_s == 2.0
+    assert not is_na(s.proxy.req_per_s)
+    doc = json.loads(json.dumps(s.to_json()))
+    assert doc["gpu_source"] == {"na": "none"} and doc["workers"][0]["instance"] == "prefill-0"
+
+
+def test_nvml_sampler_without_a_driver_is_na():
+    from appliance.collector import NvmlSampler
+    out = NvmlSampler().sample()
+    if not isinstance(out, NA):
+        pytest.skip("this host has NVML")
+    assert "NVML missing" in out.reason or "nvidia-ml-py" in out.reason

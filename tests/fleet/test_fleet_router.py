@@ -1,0 +1,82 @@
+"""The real vllm-router (via `pdctl fleet run`) in front of a live twin box and a dead one, on loopback,
+and `pdctl fleet status` reading both boxes and the router over HTTP."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from appliance import constants as C
+from appliance.cli import main
+from appliance.fleet.plan import Node, make_fleet_plan
+from appliance.stack import Stack, twin_plan
+
+from .routerproc import free_port, per_worker, metrics, start_router, stop, wait_http, write_json
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason=f"{C.ROUTER_PACKAGE} not installed in this venv")
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("box")
+    st = Stack(plan=twin_plan("fake:3xA100-80GB", "deepseek-v2-lite", wd, time_scale=0.5), workdir=wd)
+    try:
+        st.start(ready_timeout=60)
+        yield st
+    finally:
+        st.stop()
+
+
+def test_router_routes_around_a_dead_box_and_status_sees_both(box, tmp_path, capsys):
+    live = Node("127.0.0.1", box.plan.proxy.port, name="live", status_port=box.plan.proxy.internal_port)
+    dead = Node("127.0.0.1", free_port(), name="dead")
+    fleet = make_fleet_plan([live, dead], listen=f"127.0.0.1:{free_port()}", metrics=f"127.0.0.1:{free_port()}",
+                            startup_timeout_s=5)
+    ff = write_json(tmp_path / "fleet.json", fleet.to_json())
+    log = tmp_path / "router.log"
+    proc = start_router(ff, log)
+    try:
+        wait_http(fleet.router.url + "/list_workers", 30, proc, log)
+        model = box.plan.served_model_name
+        codes = []
+        with httpx.Client(timeout=30) as c:
+            for i in range(8):
+                body = {"model": model, "prompt": f"fleet request {i} " * 20, "max_tokens": 8, "stream": i % 2 == 1}
+                r = c.post(fleet.router.url + "/v1/completions", json=body)
+                codes.append(r.status_code)
+                if body["stream"]:
+                    assert r.text.rstrip().endswith("data: [DONE]")
+        assert codes == [200] * 8, log.read_text()[-2000:]
+        # the router's own health checks take the dead box out (2 failures x 2 s)
+        for _ in range(50):
+            m = metrics(fleet.router.metrics_url)
+            if per_worker(m, C.ROUTER_WORKER_HEALTH).get(dead.url) == 0:
+                break
+            time.sleep(0.2)
+        assert per_worker(m, C.ROUTER_WORKER_HEALTH) == {live.url: 1, dead.url: 0}
+
+        assert main(["fleet", "status", "--fleet", str(ff), "--json"]) == 1     # one box is down
+        view = json.loads(capsys.readouterr().out)
+        assert view["router"] == "ok"
+        b_live, b_dead = view["boxes"]
+        assert (b_live["health"], b_live["ready"], b_live["detail"]) == ("ok", "ready", "")
+        assert b_live["router_health"] == "healthy" and b_live["router_breaker"] == "closed"
+        assert b_live["requests_ok"] >= 8 and b_live["router_requests"] >= 8
+        assert b_dead["health"].startswith("down") and b_dead["router_health"] == "unhealthy"
+
+        # without the status port the box's public port answers 404 for /pdctl/status: shown as "off", not a crash
+        public_only = make_fleet_plan([Node("127.0.0.1", box.plan.proxy.port, name="live")],
+                                      listen=fleet.router.host + f":{fleet.router.port}",
+                                      metrics=f"{fleet.router.metrics_host}:{fleet.router.metrics_port}")
+        f2 = write_json(tmp_path / "fleet2.json", public_only.to_json())
+        assert main(["fleet", "status", "--fleet", str(f2)]) == 0
+        text = capsys.readouterr().out
+        assert "is off on this box" in text and "ready" in text
+    finally:
+        stop(proc)
+    assert proc.poll() is not None

@@ -1,0 +1,124 @@
+"""`pdctl proxy` standalone (a real process, READY=1 to systemd) and from a Plan."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from appliance.plan import KVServerPlan, Plan, ProxyPlan, WorkerPlan
+from appliance.proxy.cli import serve_plan
+from appliance.proxy.config import from_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_plan(prefill_ports, decode_ports, port, internal, telemetry=True) -> Plan:
+    tel = {"LMCACHE_REQUEST_TELEMETRY_TYPE": "fastapi",
+           "LMCACHE_REQUEST_TELEMETRY_ENDPOINT": f"http://127.0.0.1:{internal}/api/v1/telemetry"} if telemetry else {}
+    workers = tuple([WorkerPlan(f"prefill-{i}", "prefill", (i,), p, ("vllm",), dict(tel))
+                     for i, p in enumerate(prefill_ports)]
+                    + [WorkerPlan(f"decode-{i}", "decode", (9 + i,), p, ("vllm",), {})
+                       for i, p in enumerate(decode_ports)])
+    kv = KVServerPlan("twin", 6000, 6080, 1.0, ("x",), {})
+    return Plan(mode="disaggregated", engine="twin", engine_version="0", model="tiny", served_model_name="tiny",
+                tp=1, workers=workers, kv_server=kv, proxy=ProxyPlan("127.0.0.1", port, internal, "pdctl", 1.0, 0),
+                reasons=())
+
+
+def test_from_plan_maps_roles_ports_and_telemetry():
+    plan = make_plan([8100], [8200, 8201], 9000, 9001)
+    cfg = from_plan(plan)
+    assert [(b.name, b.role, b.url, b.telemetry) for b in cfg.backends] == [
+        ("prefill-0", "prefill", "http://127.0.0.1:8100", True),
+        ("decode-0", "decode", "http://127.0.0.1:8200", False),
+        ("decode-1", "decode", "http://127.0.0.1:8201", False)]
+    assert (cfg.port, cfg.internal_port, cfg.kv_wait_s, cfg.pd_min_prompt_tokens) == (9000, 9001, 1.0, 0)
+    assert not from_plan(make_plan([8100], [8200], 9000, 9001, telemetry=False)).backends[0].telemetry
+
+
+def test_standalone_process_notifies_systemd_serves_and_stops(fresh):
+    port = free_port()
+    sock_path = os.path.join(tempfile.mkdtemp(prefix="pdctl-notify-"), "notify")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(sock_path)
+    ns.settimeout(20)
+    env = dict(os.environ, NOTIFY_SOCKET=sock_path)
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", "proxy", "--listen", f"127.0.0.1:{port}",
+                             "--internal", "127.0.0.1:0", "--prefill", fresh["p0"].url, "--decode",
+                             fresh["d0"].url, "--policy", "round-robin"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        msg = ns.recv(4096).decode()
+        assert "READY=1" in msg and "round-robin" in msg
+        t0 = time.monotonic()
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+                    assert json.loads(r.read())["ready"] is True
+                    break
+            except OSError:
+                assert time.monotonic() - t0 < 15, "proxy never became ready"
+                time.sleep(0.1)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                     data=json.dumps({"model": "tiny", "prompt": "cli", "max_tokens": 2}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert json.loads(r.read())["choices"][0]["text"] == "toktok"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert "STOPPING=1" in ns.recv(4096).decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        ns.close()
+
+
+def test_standalone_requires_a_decoder():
+    out = subprocess.run([sys.executable, "-m", "appliance", "proxy", "--prefill", "http://127.0.0.1:1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "--decode" in out.stderr
+
+
+async def test_serve_plan_runs_the_plan(fresh):
+    port, internal = free_port(), free_port()
+    plan = make_plan([fresh["p0"].port], [fresh["d0"].port, fresh["d1"].port], port, internal, telemetry=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_plan(plan, stop))
+    try:
+        async with aiohttp.ClientSession() as s:
+            t0 = time.monotonic()
+            while True:
+                try:
+                    async with s.get(f"http://127.0.0.1:{internal}/pdctl/status") as r:
+                        st = await r.json()
+                    if st["ready"]:
+                        break
+                except aiohttp.ClientError:
+                    pass
+                assert time.monotonic() - t0 < 10
+                await asyncio.sleep(0.1)
+            assert [b["name"] for b in st["backends"]] == ["prefill-0", "decode-0", "decode-1"]
+            assert all(b["state"] == "closed" for b in st["backends"])
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions",
+                              json={"model": "tiny", "prompt": "plan", "max_tokens": 1}) as r:
+                assert r.status == 200
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)

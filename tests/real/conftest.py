@@ -1,0 +1,106 @@
+"""Session fixtures for the real-engine tests: tiny model, Plan, and the running LMCache + P + D stack.
+
+Everything here is skipped (with the reason and the fix) when the engines venv is absent; create it with
+``scripts/install-engines.sh cpu .venv-engines`` or point ``PDCTL_ENGINES_VENV`` at one.
+Set ``PDCTL_REAL_REPORT=FILE`` to get the measured timings, memory and hit counts as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from .stack import (REPO, RealStack, TelemetrySink, build_model, engines_missing_reason, engines_venv,
+                    free_ports, plan_for)
+
+L1_SIZE_GB = 0.5   # LMCache allocates L1 eagerly on CPU hosts: keep it small
+# Engines are ready in ~35-40 s on an idle 2-core box; the bound allows for a busy one (CI shares cores).
+START_TIMEOUT_S = float(os.environ.get("PDCTL_REAL_START_TIMEOUT_S", "240"))
+
+
+@pytest.fixture(scope="session")
+def engines_venv_dir():
+    venv = engines_venv()
+    reason = engines_missing_reason(venv)
+    if reason:
+        pytest.skip(reason)
+    return venv
+
+
+@pytest.fixture(scope="session")
+def real_report():
+    """Numbers the tests observe; written to $PDCTL_REAL_REPORT at session end when set."""
+    report: dict = {}
+    yield report
+    path = os.environ.get("PDCTL_REAL_REPORT")
+    if path and report:
+        with open(path, "w") as fh:
+            json.dump(report, fh, indent=2, sort_keys=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(engines_venv_dir, tmp_path_factory, real_report):
+    """A tiny random Llama built once per session with the engines venv's python."""
+    out, secs = build_model(engines_venv_dir, tmp_path_factory.mktemp("tiny-model") / "tiny")
+    real_report["model_build_s"] = round(secs, 1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def real_stack(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report):
+    """LMCache server + vLLM prefiller + decoder, started from ``pdctl plan --engine vllm-cpu`` argv/env.
+
+    Ports are free loopback ports fed to the planner via PDCTL_PORTS_*; a TelemetrySink listens on the
+    proxy's internal port so the prefiller's LMCache request telemetry has somewhere real to go.
+    """
+    workdir = tmp_path_factory.mktemp("real-stack")
+    keys = ["kv_zmq", "kv_http", "prefill_base", "decode_base", "proxy", "proxy_internal"]
+    ports = dict(zip(keys, free_ports(len(keys))))
+    plan = plan_for(tiny_model_dir, engines_venv_dir, ports, L1_SIZE_GB, workdir)
+    (workdir / "plan.json").write_text(json.dumps(plan, indent=2))
+    sink = TelemetrySink(ports["proxy_internal"])
+    stack = RealStack(plan=plan, workdir=workdir, sink=sink)
+    t0 = time.monotonic()
+    try:
+        stack.start(kv_timeout_s=START_TIMEOUT_S / 2, engines_timeout_s=START_TIMEOUT_S)
+        real_report.update(stack.timings)
+        real_report["stack_ready_s"] = round(time.monotonic() - t0, 1)
+        real_report["rss_mib_after_start"] = {k: v // 2**20 for k, v in stack.memory().items()}
+        yield stack
+        real_report["rss_mib_at_end"] = {k: v // 2**20 for k, v in stack.memory().items() if v}
+    finally:
+        stack.stop()
+        sink.close()
+        real_report["stop_s"] = stack.timings.get("stop_s")
+        leaked = [p.name for p in stack.procs.values() if p.group_alive()]
+        assert not leaked, f"process groups still alive after stop: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def real_proxy(real_stack, real_report):
+    """The real pdctl proxy in front of the real engines, from the same Plan (``pdctl proxy --config``).
+
+    Only ``--internal`` differs from the Plan: the TelemetrySink keeps the Plan's internal port (where the
+    prefiller posts) and relays every event to the proxy, so both the raw events and the proxy's
+    reaction to them are observable.
+    """
+    import sys
+
+    (internal_port,) = free_ports(1)
+    public = real_stack.plan["proxy"]["port"]
+    argv = [sys.executable, "-m", "appliance.cli", "proxy", "--config", str(real_stack.workdir / "pdctl.toml"),
+            "--listen", f"127.0.0.1:{public}", "--internal", f"127.0.0.1:{internal_port}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
+    env["PYTHONPATH"] = str(REPO)
+    t0 = time.monotonic()
+    proc = real_stack.spawn("proxy", argv, env, f"http://127.0.0.1:{public}", inherit_env=False)
+    real_stack.wait_http([proc], "/ready", 60)
+    real_report["proxy_ready_s"] = round(time.monotonic() - t0, 1)
+    real_stack.sink.forward_to = f"http://127.0.0.1:{internal_port}"
+    try:
+        yield proc
+    finally:
+        real_stack.sink.forward_to = None
+        real_stack.stop_one(proc)

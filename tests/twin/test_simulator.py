@@ -1,0 +1,101 @@
+"""Simulator sanity: monotonic latency, a ceiling near the seed's, policies, input errors, speed."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from appliance.twin.simulator import SimError, Workload, percentile, simulate
+
+from .conftest import ROOT
+
+SEED_CEILING = 11.2   # reference/seed-runbooks.md, 1P2D A100 V2-Lite, delivered at 30-60 req/s
+
+
+def test_percentile_matches_numpy_linear():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 99) == 5
+    assert percentile([], 50) == 0.0
+
+
+def test_ttft_grows_with_rate_and_throughput_saturates():
+    rows = simulate(rates=[1, 5, 10, 20, 60], num_prompts=300)
+    ttft = [r["p50_ttft_ms"] for r in rows]
+    assert ttft == sorted(ttft)
+    assert rows[-1]["p50_ttft_ms"] > 10 * rows[0]["p50_ttft_ms"]
+    thr = [r["request_throughput"] for r in rows]
+    assert thr[1] > thr[0] and thr[-1] < 20 * 0.7           # far below the asked 60 req/s
+    assert all(r["failed"] == 0 and r["completed"] == 300 for r in rows)
+    assert rows[-1]["max_concurrent_requests"] > rows[0]["max_concurrent_requests"]
+
+
+def test_ceiling_within_ten_percent_of_the_seed():
+    rows = simulate(rates=[30, 60], num_prompts=600)
+    for r in rows:
+        assert abs(r["request_throughput"] - SEED_CEILING) / SEED_CEILING < 0.10, r["request_throughput"]
+
+
+def test_the_seed_topology_is_prefill_bound():
+    def ceiling(p, d):
+        return simulate(prefill=p, decode=d, rates=[60], num_prompts=600)[0]["request_throughput"]
+    base = ceiling(1, 2)
+    assert abs(ceiling(1, 4) - base) / base < 0.05       # more decoders: the prefiller still limits
+    assert ceiling(2, 4) > 1.3 * base                     # scale both: the ceiling rises
+
+
+def test_pdctl_policy_skips_the_p_leg_when_the_rest_is_short():
+    wl = Workload(input_len=6300, prefix_len=6000, output_len=32)
+    rr = simulate(workload=wl, rates=[2], num_prompts=100, policy="round-robin")[0]
+    pd = simulate(workload=wl, rates=[2], num_prompts=100, policy="pdctl")[0]
+    assert rr["p_leg_skipped"] == 0 and pd["p_leg_skipped"] == 100
+    assert pd["p50_ttft_ms"] < rr["p50_ttft_ms"]        # no store wait, no second hop
+    long_rest = simulate(rates=[2], num_prompts=50, policy="pdctl")[0]  # 1869 uncached tokens: keep P
+    assert long_rest["p_leg_skipped"] == 0
+
+
+def test_results_are_deterministic_for_a_seed():
+    a = simulate(rates=[5], num_prompts=100, seed=7)
+    b = simulate(rates=[5], num_prompts=100, seed=7)
+    assert a == b
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(policy="random"), "round-robin"),
+    (dict(decode=0), "decoder"),
+    (dict(rates=[0]), "positive"),
+    (dict(num_prompts=0), "num-prompts"),
+    (dict(workload=Workload(100, 200, 10)), "prefix-len"),
+    (dict(model="llama-3.1-70b"), "does not fit"),
+])
+def test_bad_input_is_a_clear_error(kw, match):
+    with pytest.raises(SimError, match=match):
+        simulate(**kw)
+
+
+def test_full_sweep_is_fast():
+    t = time.monotonic()
+    simulate(rates=[1, 2, 5, 10, 20, 30, 50, 60], num_prompts=600)
+    assert time.monotonic() - t < 60
+
+
+def test_cli_json_has_vllm_bench_keys():
+    out = subprocess.run([sys.executable, "-m", "appliance.twin.cli", "twin", "simulate", "--rates", "1,inf",
+                          "--num-prompts", "50", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [r["request_rate"] for r in rows] == [1.0, "inf"]
+    for key in ("request_throughput", "completed", "failed", "p50_ttft_ms", "p90_ttft_ms", "p95_ttft_ms",
+                "p99_ttft_ms", "p50_tpot_ms", "p50_e2el_ms", "p95_e2el_ms", "kv_hit_rate",
+                "max_concurrent_requests", "output_throughput", "duration"):
+        assert key in rows[0]
+    bad = subprocess.run([sys.executable, "-m", "appliance.twin.cli", "twin", "simulate", "--hardware", "tpu"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown hardware" in bad.stderr
+
+
+def test_calibration_benchmark_meets_the_targets():
+    out = subprocess.run([sys.executable, "benchmarks/twin_calibration.py"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "-> OK" in out.stdout and "within +-20 %: OK" in out.stdout

@@ -1,0 +1,41 @@
+"""Header: plan, model, ready/degraded, uptime; the second line says why anything is degraded or NA."""
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.text import Text
+
+from appliance.collector.snapshot import Snapshot
+from appliance.status import duration, na_notes
+
+STATE_STYLE = {"ready": "bold green", "degraded": "bold yellow", "down": "bold red"}
+
+
+def title(snap: Optional[Snapshot], paused: bool) -> Text:
+    t = Text()
+    if snap is None:
+        t.append("pdctl  waiting for the first sample…", style="bold")
+        return t
+    t.append("pdctl ", style="bold")
+    t.append(f"{snap.mode} · {snap.engine} {snap.engine_version} · {snap.model} · ")
+    t.append(snap.overall.upper(), style=STATE_STYLE.get(snap.overall, "bold"))
+    t.append(f" · up {duration(snap.uptime_s)}")
+    if paused:
+        t.append("  PAUSED", style="bold reverse yellow")
+    return t
+
+
+def why(snap: Optional[Snapshot]) -> Text:
+    if snap is None:
+        return Text("")
+    items = list(snap.overall_reasons) + [n for n in na_notes(snap) if n not in snap.overall_reasons]
+    if not items:
+        return Text("all sources answered", style="dim green")
+    t = Text()
+    t.append("why: ", style="bold yellow")
+    t.append(items[0])
+    if len(items) > 1:
+        t.append(f"  (+{len(items) - 1} more: press ?)", style="dim")
+    t.no_wrap = True
+    t.overflow = "ellipsis"
+    return t
