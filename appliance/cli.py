@@ -128,12 +128,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   f"({m.source})")
         return EXIT_OK
     s = settings_from_args(args)
+    whatif = None
+    if args.what_if:
+        whatif = _what_if_split(args, s)
     plan = plan_from_settings(s)
+    if whatif:
+        from dataclasses import replace
+        plan = replace(plan, reasons=plan.reasons + (whatif,))
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
         print_plan(plan)
     return EXIT_OK
+
+
+def _what_if_split(args: argparse.Namespace, s) -> str:
+    """Run the twin's what-if over every split, print it, and set the recommended split into the settings."""
+    from .bench.cli import parse_rates
+    from .bench.whatif import render, what_if
+    from .bench.workload import load_profile
+    from .inventory import detect
+    from .twin.simulator import Workload as SimWorkload
+    if s.get("plan", "prefill") or s.get("plan", "decode"):
+        raise CliError("--what-if chooses the prefill/decode split itself: drop --prefill/--decode")
+    prof = load_profile(args.what_if_profile)
+    w = what_if(detect(s.get("install", "gpus")), s.get("install", "model"),
+                SimWorkload(prof.input_len, prof.prefix_len, prof.output_len), parse_rates(args.what_if_rates),
+                slo_ttft_p95_s=args.what_if_slo, policy=s.get("proxy", "policy"), tp=max(1, s.get("plan", "tp")),
+                num_prompts=args.what_if_num_prompts, objective=args.what_if_objective)
+    print(render(w), file=sys.stderr if args.json else sys.stdout)
+    rec = w.recommended
+    if rec is None or not rec.decode:
+        raise CliError("what-if found no disaggregated split that works for this box; plan without --what-if")
+    s.values["plan"]["prefill"], s.values["plan"]["decode"] = rec.prefill, rec.decode
+    s.sources["plan.prefill"] = s.sources["plan.decode"] = "what-if"
+    return (f"{rec.prefill} prefill + {rec.decode} decode chosen by the twin's what-if ({args.what_if_objective}): "
+            f"highest rate with TTFT p95 under {args.what_if_slo:g} s")
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -180,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan roles, GPUs, ports and engine commands (prints the reasons)")
     add_plan_flags(p)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--what-if", dest="what_if", action="store_true",
+                   help="simulate every prefill/decode split on the twin, show predicted ceiling and TTFT per split, "
+                        "and plan with the recommended one")
+    from .bench.cli import add_what_if_flags
+    add_what_if_flags(p, prefix="what_if_")
     p.add_argument("--list-models", action="store_true", help="list the model registry")
     p.set_defaults(func=cmd_plan)
 
@@ -225,10 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     from .inventory import InventoryError
     from .models import ModelError
     from .planner import PlanError
+    from .bench import BenchError
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)
-    except (ConfigError, PlanError, ModelError, CliError) as exc:
+    except (ConfigError, PlanError, ModelError, CliError, BenchError) as exc:
         print(f"pdctl {args.verb}: error: {exc}", file=sys.stderr)
         return getattr(exc, "code", EXIT_BAD)
     except InventoryError as exc:

@@ -4,7 +4,8 @@ Setup (8 twin GPUs, 10 units): 8 workers + KV server + proxy. Their endpoints ar
 process (not counted) with real-looking text: the real vLLM 0.32 CPU scrape for every worker, LMCache
 MP names for the KV server, pdctl proxy names for the proxy. Twin GPU state files for 8 H200s are
 rewritten every 0.5 s by that process, as twin engines do. ``systemctl show`` runs for real every tick
-(on a host without systemd it fails fast; its child CPU time is counted either way).
+(on a host without systemd it fails fast; its child CPU time is counted either way); the collector runs it
+every 5th tick, and at once when an endpoint starts or stops failing.
 
 Each mode runs in its own process for ``--seconds`` at 1 Hz, and reports its own CPU time (all threads,
 plus children such as systemctl) as a share of one core:
@@ -75,6 +76,8 @@ def serve(ports_file: str, state_dir: str) -> None:
 
     def handler(kind: str):
         class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"      # keep-alive, as uvicorn/aiohttp engines and proxies do
+
             def do_GET(self) -> None:  # noqa: N802
                 if self.path == "/metrics":
                     body = grow(base) if kind == "worker" else kv() if kind == "kv" else proxy()

@@ -11,7 +11,9 @@ Variants on the same 3 GPUs: round-robin 1P2D (the seed); pdctl 1P2D (default sk
 1P2D with the threshold above the unique length (decoders prefill the unique tail against the cached prefix,
 the prefiller idles); pdctl 0P3D (no dedicated prefiller: three engines doing both, sharing the KV server).
 Prints per asked rate: delivered req/s and TTFT p50/p95 per variant, then each variant against the issue's
-two targets (ceiling >= 1.3x round-robin; TTFT p95 at 10 req/s <= 0.6x round-robin). Usage: ``python benchmarks/policy_study.py [--rates ...] [--num-prompts N] [--markdown]``.
+two targets (ceiling >= 1.3x round-robin; TTFT p95 at 10 req/s <= 0.6x round-robin).
+
+Usage: ``python benchmarks/policy_study.py [--rates ...] [--num-prompts N] [--markdown]``.
 """
 from __future__ import annotations
 
@@ -52,8 +54,8 @@ def report(res: dict, rates: list, markdown: bool) -> str:
         for lb in labels:
             x = res[lb][i]
             skip = x["p_leg_skipped"] / max(x["completed"], 1)
-            cells.append(f"{x['request_throughput']:5.2f}  {x['p50_ttft_ms'] / 1000:6.3f}/{x['p95_ttft_ms'] / 1000:6.3f}"
-                         + (f" s{skip:.0%}" if skip else ""))
+            ttft = f"{x['p50_ttft_ms'] / 1000:6.3f}/{x['p95_ttft_ms'] / 1000:6.3f}"
+            cells.append(f"{x['request_throughput']:5.2f}  {ttft}" + (f" s{skip:.0%}" if skip else ""))
         if markdown:
             lines.append(f"| {r:g} | " + " | ".join(cells) + " |")
         else:

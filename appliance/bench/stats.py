@@ -30,6 +30,19 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def _peak_tokens_per_s(ok: list) -> float:
+    """Most token chunks received in any whole second of the run (``vllm bench serve``'s
+    ``max_output_tokens_per_s``), from each request's send time, TTFT and inter-token gaps."""
+    buckets: dict = {}
+    for r in ok:
+        t = r.sent + r.ttft
+        buckets[int(t)] = buckets.get(int(t), 0) + 1
+        for gap in r.itl:
+            t += gap
+            buckets[int(t)] = buckets.get(int(t), 0) + 1
+    return float(max(buckets.values(), default=0))
+
+
 def summarize(run: RunResult, *, model: str, tokenizer_id: str, num_prompts: int, profile: Optional[dict] = None,
               kv: Optional[dict] = None, detailed: bool = True) -> dict:
     """One rate's summary dict (``vllm bench serve`` names + ``kv_hit_rate`` and pdctl extras)."""
@@ -58,6 +71,7 @@ def summarize(run: RunResult, *, model: str, tokenizer_id: str, num_prompts: int
         "request_goodput": None,
         "output_throughput": tout / dur,
         "total_token_throughput": (tin + tout) / dur,
+        "max_output_tokens_per_s": _peak_tokens_per_s(ok),
         "max_concurrent_requests": run.max_concurrency,
     }
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):

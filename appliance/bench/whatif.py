@@ -4,7 +4,8 @@ Answers "how should I split these GPUs, and what will the box hold?" before the 
 split (P prefillers + D decoders, P + D = the usable GPUs / TP) it simulates the workload at each asked
 rate and reports the delivered ceiling and TTFT p50/p95. The recommended split is the one that holds the
 highest rate with TTFT p95 under the SLO and no failures (objective ``max-rate-under-slo``; found on the
-asked rates, then refined by bisection between the last rate that held and the next one); ties go
+asked rates, then refined by bisection between the last rate that held and the next one, capped at the
+delivered ceiling); ties go
 to the higher ceiling (0.1 req/s resolution), then to the lower TTFT p95 at that rate, then to fewer GPUs.
 
 "Delivered" is ``vllm bench serve``'s request throughput (completed / time to the last completion), so it
@@ -153,13 +154,16 @@ def what_if(inventory, model: str, workload: Workload = Workload(), rates: Seque
                     for r, s in zip(rates, res))
         ok = [i for i, pt in enumerate(pts) if pt.under_slo]
         best_ok = pts[ok[-1]].asked if ok else 0.0
-        if ok and ok[-1] + 1 < len(pts):           # bisect the knee between the last rate held and the next
-            lo, hi = best_ok, pts[ok[-1] + 1].asked
+        ceiling = max(pt.delivered for pt in pts)
+        if ok and ok[-1] + 1 < len(pts):           # bisect the knee between the last rate held and the next,
+            # never above the delivered ceiling: a short run past capacity can keep its TTFT p95 low by luck
+            # of timing (the queue has not grown yet), which is no rate to plan for
+            lo, hi = best_ok, min(pts[ok[-1] + 1].asked, max(best_ok, ceiling))
             for _ in range(refine):
                 mid = (lo + hi) / 2
                 lo, hi = (mid, hi) if holds(sim(p, d, [mid])[0]) else (lo, mid)
             best_ok = lo
-        rows.append(SplitResult(p, d, tp, pts, max(pt.delivered for pt in pts), best_ok,
+        rows.append(SplitResult(p, d, tp, pts, ceiling, best_ok,
                                 holds_all=bool(ok) and ok[-1] == len(pts) - 1))
 
     def key(r: SplitResult):

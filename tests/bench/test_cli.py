@@ -112,3 +112,19 @@ def test_prompt_lengths_are_calibrated_on_the_servers_token_counts(standin, caps
                             "0", "--input-len", "900", "--prefix-len", "600", "--output-len", "4", "--json",
                             "--no-calibrate")
     assert rc == 0 and json.loads(out)[0]["total_input_tokens"] == 2 * (3 * 900 + 1)
+
+
+def test_kv_endpoints_come_from_a_plan_file(standin, tmp_path, capsys):
+    s = standin("--ttft", "0.01", "--itl", "0.002", "--hit-fraction", "0.5", "--dec-hit-fraction", "0.8")
+    plan = {"mode": "disaggregated", "engine": "twin", "model": "m", "reasons": [],
+            "workers": [{"instance": "decode-0", "role": "decode", "gpus": [0], "port": s.port, "argv": ["x"]}],
+            "kv_server": {"kind": "twin", "zmq_port": 1, "http_port": s.port, "l1_size_gb": 1, "argv": ["x"]},
+            "proxy": {"host": "127.0.0.1", "port": s.port, "internal_port": 2}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    rc, out, err = run_main(capsys, "bench", "--url", s.url, "--plan", str(tmp_path / "plan.json"), "--rates", "50",
+                            "--num-prompts", "6", "--warmup", "0", "--json", *SMALL)
+    assert rc == 0, err
+    row = json.loads(out)[0]
+    assert row["kv_hit_rate"] == pytest.approx(0.5, abs=0.01)
+    assert row["kv_hit_rate_decoders"] == pytest.approx(0.8, abs=0.01)
+    assert "endpoints from plan" in row["kv_hit_rate_source"]

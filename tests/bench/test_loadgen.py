@@ -78,11 +78,11 @@ async def test_requests_leave_on_schedule_open_loop(standin):
     s = standin("--ttft", "0.5", "--itl", "0.01")
     run = await run_rate(s.url, "standin", prompts(30), 40.0, PROF.output_len, seed=3)
     lags = [r.sent - r.scheduled for r in run.results]
-    assert max(lags) < 0.1 and min(lags) >= -0.001
+    assert max(lags) < 0.25 and min(lags) >= -0.001   # a closed-loop sender would lag by seconds here
     assert run.max_concurrency >= 10
     srv = sorted(e["t"] for e in s.log()["log"])
     sched = sorted(r.scheduled for r in run.results)
-    assert max(abs((a - srv[0]) - (b - sched[0])) for a, b in zip(srv, sched)) < 0.15
+    assert max(abs((a - srv[0]) - (b - sched[0])) for a, b in zip(srv, sched)) < 0.3
 
 
 def test_sse_parser_handles_crlf_split_events_and_error_events():

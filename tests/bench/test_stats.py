@@ -6,7 +6,7 @@ import pytest
 from appliance.bench.loadgen import RequestResult, RunResult
 from appliance.bench.stats import brief, percentile, summarize
 
-VLLM_KEYS = ("request_rate", "request_throughput", "completed", "failed", "duration", "total_input_tokens",
+VLLM_KEYS = ("max_output_tokens_per_s", "request_rate", "request_throughput", "completed", "failed", "duration", "total_input_tokens",
              "total_output_tokens", "output_throughput", "total_token_throughput", "max_concurrent_requests",
              "num_prompts", "model_id", "burstiness")
 
@@ -38,5 +38,6 @@ def test_summary_names_and_formulas():
     assert s["p50_ttft_ms"] == pytest.approx(200.0)
     assert s["p50_tpot_ms"] == pytest.approx((1.1 - 0.2) * 1000 / 10)
     assert s["p50_itl_ms"] == pytest.approx(20.0)  # pooled [10, 30] x 3
+    assert s["max_output_tokens_per_s"] == 9.0  # 3 chunks each from 3 requests, all within second 0
     assert s["kv_hit_rate"] == 0.8 and s["errors"][3].startswith("HTTP 500")
     assert "errors" not in brief(s) and "ttfts" not in brief(s)

@@ -16,7 +16,7 @@ from .conftest import pdctl
 @pytest.fixture(scope="module")
 def seed_box():
     return what_if(detect("fake:3xA100-80GB"), "deepseek-v2-lite", Workload(), (1, 2, 5, 10, 20),
-                   policy="round-robin", num_prompts=300)
+                   policy="round-robin", num_prompts=600)  # the seed ran 600 per rate
 
 
 def test_splits_include_smaller_ones():
@@ -35,6 +35,15 @@ def test_seed_hardware_ranks_1p2d_above_1p1d_and_2p1d(seed_box):
     assert by["1P2D"].ceiling > 1.2 * max(by["1P1D"].ceiling, by["2P1D"].ceiling)
     p10 = by["1P2D"].point(10.0)
     assert p10.under_slo and p10.ttft_p95_s < by["1P1D"].point(10.0).ttft_p95_s
+    # refined past the asked grid (10 held, 20 did not), never above what the split delivered
+    assert 10.0 < by["1P2D"].max_rate_under_slo <= by["1P2D"].ceiling
+    assert not by["1P2D"].holds_all
+
+
+def test_a_box_that_holds_every_asked_rate_says_so():
+    w = what_if(detect("fake:4xH200"), "deepseek-v2-lite", Workload(), (1, 2), num_prompts=30)
+    assert all(r.holds_all and r.max_rate_under_slo == 2 for r in w.rows)
+    assert "ask higher --rates" in render(w) and ">=2" in render(w)
 
 
 def test_render_and_json(seed_box):
@@ -77,3 +86,17 @@ def test_cli_what_if():
     assert d["splits"][0]["split"] == "1P2D" and d["splits"][0]["recommended"]
     r = pdctl("bench", "what-if", "--gpus", "fake:1xH200")
     assert r.returncode == 2 and ">= 2 engines" in r.stderr
+
+
+def test_policy_study_prints_both_targets(capsys):
+    import importlib.util
+
+    from .conftest import REPO
+    spec = importlib.util.spec_from_file_location("policy_study", REPO / "benchmarks" / "policy_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--rates", "5,10", "--num-prompts", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "round-robin 1P2D (seed)" in out and "pdctl 0P3D (all both)" in out
+    verdicts = [ln for ln in out.splitlines() if "target >= 1.3x" in ln]
+    assert len(verdicts) == 3 and all("TTFT p95 at 10 req/s" in ln for ln in verdicts)

@@ -197,3 +197,15 @@ def test_plan_cli_json_and_exit_codes():
     assert r.returncode == 2 and "Try --prefill 1 --decode 1" in r.stderr
     r = pdctl("plan", "--gpus", "fake:1xH200", "--config", "/nonexist.toml")
     assert r.returncode == 0 and "aggregated plan" in r.stdout
+
+
+def test_plan_what_if_picks_the_seed_split():
+    """What-if on the seed's box (3x A100, V2-Lite) recommends 1P2D, as the seed measured, and plans it."""
+    r = pdctl("plan", "--what-if", "--gpus", "fake:3xA100-80GB", "--config", "/nonexist.toml", "--json",
+              "--rates", "2,10,20", "--sim-prompts", "150")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert [w["role"] for w in plan["workers"]] == ["prefill", "decode", "decode"]
+    assert "* recommended: 1P2D" in r.stderr and "chosen by the twin's what-if" in plan["reasons"][-1]
+    r = pdctl("plan", "--what-if", "--prefill", "1", "--gpus", "fake:3xA100-80GB", "--config", "/nonexist.toml")
+    assert r.returncode == 2 and "drop --prefill/--decode" in r.stderr
