@@ -7,7 +7,7 @@ so tests drive the real dialogs without touching systemd.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from rich.text import Text
 from textual import work

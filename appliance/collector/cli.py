@@ -48,9 +48,35 @@ def cmd_tui(args: argparse.Namespace) -> int:
     slo = _settings_value(args.config, "workload", "ttft_slo_s")
     collector = Collector(plan, interval=refresh, slo_ttft_s=slo).start()
     try:
-        PdctlApp(collector, refresh=refresh, instances=[w.instance for w in plan.workers]).run()
+        app = PdctlApp(collector, refresh=refresh, instances=[w.instance for w in plan.workers])
+        if args.screenshot:
+            return screenshot(app, args.screenshot, args.size, args.after)
+        app.run()
     finally:
         collector.stop()
+    return EXIT_OK
+
+
+def _size(value: str) -> tuple:
+    try:
+        w, h = (int(x) for x in value.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected COLUMNSxROWS, e.g. 160x48") from None
+    if not (20 <= w <= 500 and 10 <= h <= 300):
+        raise argparse.ArgumentTypeError(f"{value!r}: size out of range (20..500 x 10..300)")
+    return w, h
+
+
+def screenshot(app: Any, path: Path, size: tuple, after: float) -> int:
+    """Run the app headless for ``after`` seconds of live data, then save an SVG of the screen."""
+    import asyncio
+
+    async def shoot() -> None:
+        async with app.run_test(size=size) as pilot:
+            await pilot.pause(after)
+            app.save_screenshot(filename=path.name, path=str(path.parent.resolve()))
+    asyncio.run(shoot())
+    print(f"wrote {path}")
     return EXIT_OK
 
 
@@ -96,6 +122,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tui", help="live dashboard (Textual); works at 80x24 over SSH")
     p.add_argument("--refresh", type=float, default=None, help="seconds between refreshes (default: config, 1)")
     p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml or plan.json")
+    p.add_argument("--screenshot", type=Path, metavar="FILE.svg",
+                   help="headless: run for --after seconds on live data, save the screen as SVG, exit")
+    p.add_argument("--size", type=_size, default=(160, 48), help="screenshot size COLUMNSxROWS (default 160x48)")
+    p.add_argument("--after", type=float, default=5.0, help="seconds of live data before the screenshot")
     p.set_defaults(func=cmd_tui)
 
     p = sub.add_parser("logs", help="journal of a role or unit: prefill-0, decode, proxy, kv, or a unit name")

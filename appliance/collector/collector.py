@@ -25,7 +25,8 @@ from .snapshot import (GpuProcess, GpuSample, KVLayers, KVServerStatus, ProxySta
                        UnitState, WorkerStatus, na_unit)
 from .units import SystemctlUnits, UnitSource
 
-PROXY_STATUS_PATH = "/pdctl/status"
+PROXY_STATUS_PATH = C.BOX_STATUS_PATH     # the proxy's loopback status JSON (backends, breakers, uptime)
+_SLOW_KEYS = ("w_health:", "kv_health", "kv_status")
 BREAKER_BY_VALUE = {0: "closed", 1: "open", 2: "half_open"}   # the proxy's backend_state gauge encoding
 HISTORY_SERIES = ("ttft_p50", "ttft_p95", "kv_hit", "req_per_s", "gen_tps")
 
@@ -61,7 +62,8 @@ class Collector:
 
     def __init__(self, plan: Any, gpu_sampler: Optional[GpuSampler] = None, interval: float = 1.0, *,
                  units: Optional[UnitSource] = None, window_s: float = 10.0, timeout_s: float = 0.5,
-                 slo_ttft_s: Optional[float] = None, history_len: int = 120, max_parallel: int = 8):
+                 slo_ttft_s: Optional[float] = None, history_len: int = 120, max_parallel: int = 8,
+                 units_every: int = 5):
         self.plan = plan
         self.sampler = gpu_sampler if gpu_sampler is not None else default_sampler(plan)
         self.interval = interval
@@ -73,6 +75,10 @@ class Collector:
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="pdctl-scrape")
         self._fetch = Fetcher(timeout_s)
         self._tick = 0
+        self.units_every = max(1, units_every)
+        self._states: dict = {}
+        self._got: dict = {}
+        self._last_errors: frozenset = frozenset()
         self._latest: Optional[Snapshot] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -130,14 +136,18 @@ class Collector:
         for w in plan.workers:
             urls[f"w_health:{w.instance}"] = w.url() + "/health"
             urls[f"w_metrics:{w.instance}"] = w.url() + "/metrics"
-        futures = {k: self._pool.submit(self._fetch, u) for k, u in urls.items()}
-        unit_names = [C.KV_UNIT, C.PROXY_UNIT] + [w.unit for w in plan.workers]
-        try:
-            states = self.units.states(unit_names)
-        except Exception as e:  # noqa: BLE001 - a broken unit source degrades the unit columns only
-            states = {u: na_unit(u, f"unit source failed: {e}") for u in unit_names}
+        # health and /status every units_every ticks, and every tick while anything fails: with the
+        # engines' /metrics answering each tick they add little, and each GET is ~0.3 ms of CPU
+        slow = bool(self._last_errors) or self._tick % self.units_every == 0
+        todo = {k: u for k, u in urls.items() if slow or not k.startswith(_SLOW_KEYS) or k not in self._got}
+        futures = {k: self._pool.submit(self._fetch, u) for k, u in todo.items()}
         raw_gpus = self.sampler.sample()
         got: dict[str, Fetched] = {k: f.result() for k, f in futures.items()}
+        if not slow and any(not f.ok for k, f in got.items() if k != "px_status"):
+            again = {k: self._pool.submit(self._fetch, u) for k, u in urls.items() if k not in got}
+            got.update({k: f.result() for k, f in again.items()})
+        self._got = got = {**self._got, **got}
+        states = self._unit_states(got)
 
         wm = {w.instance: self._metrics(got[f"w_metrics:{w.instance}"], _W_WANTED) for w in plan.workers}
         km = self._metrics(got["kv_metrics"], _K_WANTED)
@@ -172,6 +182,20 @@ class Collector:
             history={k: tuple(float(x) for x in d if not is_na(x)) for k, d in self._history.items()})
 
     # -- helpers -----------------------------------------------------------------------------------
+    def _unit_states(self, got: dict) -> dict:
+        """``systemctl show`` every ``units_every`` ticks (a process spawn is most of a tick's CPU), and
+        at once whenever the set of failing endpoints changes, so a crash shows its unit state promptly."""
+        errors = frozenset(k for k, f in got.items() if not f.ok and not k.startswith("px_status"))
+        names = [C.KV_UNIT, C.PROXY_UNIT] + [w.unit for w in self.plan.workers]
+        if self._states and errors == self._last_errors and self._tick % self.units_every:
+            return self._states
+        self._last_errors = errors
+        try:
+            self._states = self.units.states(names)
+        except Exception as e:  # noqa: BLE001 - a broken unit source degrades the unit columns only
+            self._states = {u: na_unit(u, f"unit source failed: {e}") for u in names}
+        return self._states
+
     @staticmethod
     def _metrics(f: Fetched, wanted: frozenset) -> Union[Metrics, NA]:
         if not f.ok:
@@ -212,22 +236,24 @@ class Collector:
                     vals[f"px:skip:{reason}"] = v
         return {k: v for k, v in vals.items() if v is not None}
 
-    def _wrate(self, key: str, src: Any, what: str) -> Union[float, NA]:
-        if isinstance(src, NA):
-            return src
-        r = self.window.rate(key)
-        if isinstance(r, NA) and r.reason == "series absent in the latest scrape":
-            return NA(f"{what} absent in this engine version")
-        return r
+    def _absent(self, logical: str) -> NA:
+        looked = ", ".join(N.expected(N.VLLM, logical, self.plan.engine_version))
+        return NA(f"{logical} absent in this engine version (looked for {looked})")
 
-    def _wratio(self, hits: str, queries: str, src: Any, what: str) -> Union[float, NA]:
+    def _wrate(self, inst: str, logical: str, src: Any) -> Union[float, NA]:
+        """Per-second rate of one worker counter over the window."""
         if isinstance(src, NA):
             return src
-        h, q = self.window.delta(hits), self.window.delta(queries)
-        if isinstance(h, NA) and h.reason == "series absent in the latest scrape":
-            return NA(f"{what} absent in this engine version "
-                      f"(looked for {', '.join(N.expected(N.VLLM, 'prefix_hits', self.plan.engine_version))})"
-                      if "prefix" in hits and "ext" not in hits else f"{what} absent in this engine version")
+        r = self.window.rate(f"w:{inst}:{logical}")
+        return self._absent(logical) if isinstance(r, NA) and r.reason.startswith("series absent") else r
+
+    def _wratio(self, inst: str, hits: str, queries: str, src: Any) -> Union[float, NA]:
+        """Δhits/Δqueries of one worker over the window."""
+        if isinstance(src, NA):
+            return src
+        h, q = self.window.delta(f"w:{inst}:{hits}"), self.window.delta(f"w:{inst}:{queries}")
+        if isinstance(h, NA) and h.reason.startswith("series absent"):
+            return self._absent(hits)
         return ratio(h, q)
 
     def _worker(self, w: Any, health: Fetched, m: Any, breakers: Any, state: UnitState) -> WorkerStatus:
@@ -245,11 +271,8 @@ class Collector:
             if isinstance(m, NA):
                 return m
             name = N.resolve(N.VLLM, logical, m.names, ver)
-            if name is None:
-                return NA(f"{logical} absent in this engine version "
-                          f"(looked for {', '.join(N.expected(N.VLLM, logical, ver))})")
-            return _f(m.total(name), f"{name} has no sample")
-        k = f"w:{w.instance}:"
+            return self._absent(logical) if name is None else _f(m.total(name), f"{name} has no sample")
+        i = w.instance
         if isinstance(breakers, NA):
             br: Any = breakers
         else:
@@ -257,11 +280,10 @@ class Collector:
         return WorkerStatus(
             instance=w.instance, role=w.role, port=w.port, unit=w.unit, gpus=tuple(w.gpus), health=h,
             running=gauge("running"), waiting=gauge("waiting"), kv_usage=gauge("kv_usage"),
-            local_hit_rate=self._wratio(k + "prefix_hits", k + "prefix_queries", m, "prefix cache hits"),
-            external_hit_rate=self._wratio(k + "ext_hits", k + "ext_queries", m, "external prefix cache hits"),
-            prompt_tps=self._wrate(k + "prompt_tokens", m, "prompt tokens"),
-            gen_tps=self._wrate(k + "gen_tokens", m, "generation tokens"),
-            preemptions=self._wrate(k + "preemptions", m, "preemptions"),
+            local_hit_rate=self._wratio(i, "prefix_hits", "prefix_queries", m),
+            external_hit_rate=self._wratio(i, "ext_hits", "ext_queries", m),
+            prompt_tps=self._wrate(i, "prompt_tokens", m), gen_tps=self._wrate(i, "gen_tokens", m),
+            preemptions=self._wrate(i, "preemptions", m),
             breaker=br, state=state)
 
     def _kv(self, got: dict, km: Any, state: UnitState) -> KVServerStatus:
@@ -343,7 +365,9 @@ class Collector:
             why = ""
             doc = parse_json(rf)
             if isinstance(doc, dict):
-                why = str(doc.get("reason") or doc.get("detail") or doc.get("error") or "")
+                err = doc.get("error")
+                why = str(doc.get("reason") or doc.get("detail") or
+                          (err.get("message") if isinstance(err, dict) else err) or "")
             ready = f"not ready (HTTP {rf.status}{': ' + why if why else ''})"
         else:
             health = NA(rf.error)
@@ -355,8 +379,8 @@ class Collector:
             d = self.window.delta("px:ttft")
             b = d if isinstance(d, (dict, NA)) else NA("ttft is not a histogram")
             ttft_p50, ttft_p95 = quantile(0.5, b), quantile(0.95, b)
-            req = self.window.rate("px:requests")
-            retries = self.window.rate("px:retries")
+            req = self.window.rate("px:requests", "px")
+            retries = self.window.rate("px:retries", "px")
             name = N.resolve(N.PROXY, "inflight", pm.names)
             inflight = _f(pm.total(name), "no sample") if name else NA("proxy exposes no inflight gauge")
             name = N.resolve(N.PROXY, "start_time", pm.names)
@@ -368,6 +392,10 @@ class Collector:
                             for d in [self.window.delta(f"px:skip:{r}", "px")] if isinstance(d, float))
             if self.window.span <= 0:
                 skipped = NA("first sample: rates need two ticks")
+        st = got["px_status"]
+        doc = parse_json(st) if st.ok else None
+        if isinstance(uptime, NA) and isinstance(doc, dict) and isinstance(doc.get("uptime_s"), (int, float)):
+            uptime = float(doc["uptime_s"])
         if isinstance(uptime, NA) and not isinstance(state.since, NA) and state.active == "active":
             uptime = max(0.0, time.time() - state.since)
         return ProxyStatus(url=url, unit=C.PROXY_UNIT, health=health, ready=ready, req_per_s=req,

@@ -143,9 +143,7 @@ def _field(obj: Any, *names: str, default: Any = None) -> Any:
 
 
 def _num(v: Any, what: str) -> Any:
-    if v is None:
-        return NA(f"{what} not reported by the twin")
-    return v if isinstance(v, NA) else v
+    return NA(f"{what} not reported by the sampler") if v is None else v
 
 
 def adapt_record(rec: Any, default_index: int = 0) -> RawGpu:
@@ -160,7 +158,8 @@ def adapt_record(rec: Any, default_index: int = 0) -> RawGpu:
         temp_c=_num(_field(rec, "temp_c", "temperature_c", "temperature"), "temperature"),
         power_w=_num(_field(rec, "power_w", "power_watts"), "power"),
         power_limit_w=_num(_field(rec, "power_limit_w", "power_limit_watts"), "power limit"),
-        processes=tuple((int(_field(p, "pid", default=0)), _field(p, "used_bytes", "used_gpu_memory", default=NA("?")))
+        processes=tuple((int(_field(p, "pid", default=0)), _field(p, "used_bytes", "used_gpu_memory",
+                                                                default=NA("memory not reported")))
                         if not isinstance(p, tuple) else p for p in procs),
     )
 

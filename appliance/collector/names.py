@@ -8,6 +8,7 @@ given scrape actually exposes, and reports the names it looked for when none is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from appliance import constants as C
 
@@ -73,7 +74,11 @@ def _vkey(version: str) -> tuple:
 
 def expected(table: dict[str, tuple[MetricName, ...]], logical: str, version: str) -> tuple[str, ...]:
     """Candidate names for one engine version (all candidates when the version is unknown)."""
-    cands = table[logical]
+    return _expected(table[logical], version)
+
+
+@lru_cache(maxsize=512)
+def _expected(cands: tuple[MetricName, ...], version: str) -> tuple[str, ...]:
     if not version:
         return tuple(c.name for c in cands)
     v = _vkey(version)

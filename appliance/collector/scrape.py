@@ -111,46 +111,27 @@ class Fetcher:
             c.close()
 
 
-_SUFFIXES = ("", "_total", "_bucket", "_sum", "_count")
+_FILTERS: dict[frozenset, "re.Pattern[str]"] = {}
 
 
-def _line_name(line: str) -> str:
-    name = line[7:] if line.startswith("# TYPE ") else line
-    end = len(name)
-    for ch in "{ \t":
-        i = name.find(ch)
-        if 0 <= i < end:
-            end = i
-    return name[:end]
-
-
-def _lines_of(text: str, needle: str, family: str) -> list[str]:
-    out, start = [], 0
-    while True:
-        i = text.find(needle, start)
-        if i < 0:
-            return out
-        j = text.find("\n", i + 1)
-        j = len(text) if j < 0 else j
-        line = text[i + 1:j]
-        name = _line_name(line)
-        if any(name == family + suf for suf in _SUFFIXES):
-            out.append(line)
-        start = j
+def _filter_for(wanted: frozenset) -> "re.Pattern[str]":
+    pat = _FILTERS.get(wanted)
+    if pat is None:
+        alts = "|".join(re.escape(n) for n in sorted(wanted, key=len, reverse=True))
+        pat = re.compile(rf"\n((?:# TYPE )?(?:{alts})(?:_total|_bucket|_sum|_count)?[{{ ][^\n]*)")
+        _FILTERS[wanted] = pat
+    return pat
 
 
 def prefilter(text: str, wanted: frozenset) -> str:
     """Keep only TYPE and sample lines of the wanted families (HELP and ``_created`` lines are dropped).
 
-    ``str.find`` per family name scans in C, so the ~640 unwanted lines of a vLLM scrape never reach
-    Python code; each family comes out as its TYPE line followed by its samples.
+    One compiled pattern per wanted set that starts with a literal newline: the regex engine skips to
+    line starts in C, so the ~640 unwanted lines of a vLLM scrape cost ~0.1 ms, and lines keep their order
+    (TYPE before its samples). The name must be followed by a sample suffix and ``{`` or a space, so
+    ``vllm:num_requests_waiting`` does not keep ``vllm:num_requests_waiting_by_reason``.
     """
-    text = "\n" + text
-    out: list[str] = []
-    for fam in sorted(wanted):
-        out += _lines_of(text, "\n# TYPE " + fam, fam)
-        out += _lines_of(text, "\n" + fam, fam)
-    return "\n".join(out) + "\n"
+    return "\n".join(_filter_for(wanted).findall("\n" + text)) + "\n"
 
 
 @dataclass(frozen=True)

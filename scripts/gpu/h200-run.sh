@@ -5,14 +5,18 @@
 #   CONFIGS="pd nokv agg" RATES=1,2,5,10,20 NUM=60 bash scripts/gpu/h200-run.sh
 # Everything it starts is stopped by PID at the end of each configuration; results land in $OUT.
 set -u
-R=$(pwd); C2=$R/.gpu/c2; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+R=$(pwd); C2=$R/.gpu/c2; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; MODEL=$C2/model
 CONFIGS=${CONFIGS:-pd nokv agg}; RATES=${RATES:-1,2,5,10,20}; NUM=${NUM:-60}; WARM=${WARM:-20}
+# LOCAL_SMOKE=1: exercise this script's plumbing here with twin engines on fake GPUs (no device time)
+LOCAL_SMOKE=${LOCAL_SMOKE:-0}; GPUS=nvml; ENGINE=vllm; EXTRA_ARGS='["--load-format", "dummy"]'
+[ "$LOCAL_SMOKE" = 1 ] && { GPUS=fake:2xH200; ENGINE=twin; EXTRA_ARGS='[]'; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1
 T0=$(date +%s.%N)
 log() { echo "[$(python3 -c "import time;print(f'{time.time()-$T0:7.1f}s')")] $*" | tee -a "$OUT/run.log"; }
 
 # --- the Python tree (vLLM 0.26.0 + deps, lmcache 0.5.3, pdctl's few missing wheels) ------------------------
+if [ "$LOCAL_SMOKE" != 1 ]; then
 mkdir -p /tmp/stage; cp "$C2"/site.part.* /tmp/stage/ 2>/dev/null
 [ -f /tmp/stage/site.part.aa ] || { log "MISSING /tmp/stage/site.part.aa (machine went cold: stage c1 again)"; exit 3; }
 if [ ! -f /tmp/site/.ok ]; then
@@ -32,10 +36,13 @@ printf '#!/bin/sh\nexec python3 -m lmcache.cli.main "$@"\n' > $EV/bin/lmcache
 printf '#!/bin/sh\nexec python3 -m appliance "$@"\n' > $EV/bin/pdctl
 chmod +x $EV/bin/*
 log "tree ready: $(python3 -c 'import vllm, lmcache; print("vllm", vllm.__version__)' 2>&1 | tail -1)"
+else
+  EV=$(dirname "$(dirname "$(command -v python3)")"); export PYTHONPATH=$R
+fi
 
 # --- detect (real NVML) ---------------------------------------------------------------------------------
-python3 -m appliance detect --json > "$OUT/detect-2xH200.json" 2> "$OUT/detect.err" || { log "detect failed"; cat "$OUT/detect.err"; }
-python3 -m appliance detect | tee -a "$OUT/run.log"
+python3 -m appliance detect --gpus "$GPUS" --json > "$OUT/detect-2xH200.json" 2> "$OUT/detect.err" || { log "detect failed"; cat "$OUT/detect.err"; }
+python3 -m appliance detect --gpus "$GPUS" | tee -a "$OUT/run.log"
 
 PIDS=()
 stop_all() {
@@ -43,7 +50,7 @@ stop_all() {
   for p in "${PIDS[@]}"; do for i in $(seq 1 60); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done; kill -KILL "$p" 2>/dev/null; done
   PIDS=()
   for i in $(seq 1 60); do  # the next configuration needs the GPU memory back
-    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | sort -n | tail -1)
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | sort -n | tail -1)
     [ "${used:-0}" -lt 2000 ] && break; sleep 1
   done
   log "stopped; max GPU memory used now ${used:-?} MiB"
@@ -56,13 +63,14 @@ run_config() {  # name, extra toml lines
   cat > "$root/etc/pdctl/pdctl.toml" <<TOML
 schema_version = 1
 [install]
-gpus = "nvml"
-model = "$C2/model"
+gpus = "$GPUS"
+engine = "$ENGINE"
+model = "$MODEL"
 engine_venv = "$EV"
 venv = "$EV"
 [plan]
 served_model_name = "m"
-extra_engine_args = ["--load-format", "dummy"]
+extra_engine_args = $EXTRA_ARGS
 $extra
 [workload]
 max_model_len = 10000
@@ -87,8 +95,11 @@ TOML
   python3 -m appliance status --config "$root/etc/pdctl/pdctl.toml" --json > "$OUT/$name-status-before.json" 2>&1
   ( while sleep 5; do python3 -m appliance status --config "$root/etc/pdctl/pdctl.toml" --json 2>/dev/null | tr -d '\n'; echo; done ) \
       > "$OUT/$name-collector.jsonl" & local COL=$!
+  # headless TUI screenshot taken while the sweep runs (live data, not an idle box)
+  [ "${SHOT:-pd}" = "$name" ] && { python3 -m appliance tui --config "$root/etc/pdctl/pdctl.toml" \
+      --screenshot "$OUT/tui-$name.svg" --size 160x48 --after "${SHOT_AFTER:-45}" > "$OUT/tui-$name.err" 2>&1 & }
   python3 -m appliance bench --url http://127.0.0.1:9000 --model m --input-len 7869 --prefix-len 6000 --output-len 252 \
-     --rates "$RATES" --num-prompts "$NUM" --warmup "$WARM" --cooldown 3 --tokenizer "$C2/model" \
+     --rates "$RATES" --num-prompts "$NUM" --warmup "$WARM" --cooldown 3 --tokenizer "$MODEL" --plan "$plan" \
      --out "$OUT/bench-$name" --json > "$OUT/bench-$name.json" 2> "$OUT/bench-$name.err"
   log "bench $name rc=$?"
   kill $COL 2>/dev/null
@@ -97,7 +108,6 @@ TOML
   for w in $(python3 -c "import json;print(' '.join(str(w['port']) for w in json.load(open('$plan'))['workers']))"); do
     curl -s 127.0.0.1:$w/metrics > "$OUT/$name-engine-$w-metrics.txt"; done
   curl -s 127.0.0.1:9000/metrics > "$OUT/$name-proxy-metrics.txt"
-  [ "$name" = pd ] && python3 -m appliance tui --config "$root/etc/pdctl/pdctl.toml" --screenshot "$OUT/tui-pd.svg" > /dev/null 2>&1
   stop_all
 }
 
@@ -106,6 +116,7 @@ for c in $CONFIGS; do
     pd) run_config pd "" ;;
     nokv) run_config nokv "kv_connector = false" ;;
     agg) run_config agg "gpu_indices = [0]" ;;
+    pdrr) run_config pdrr $'[proxy]\npolicy = "round-robin"' ;;
   esac
 done
 log "END"

@@ -103,7 +103,8 @@ def test_unhealthy_and_hung_endpoints(stack):
 
 def test_proxy_not_ready_and_proxy_down(stack):
     plan, ep = stack
-    ep["px"].set("/ready", {"ready": False, "reason": "no decoder passed the canary"}, status=503)
+    ep["px"].set("/ready", {"error": {"message": "no decoder passed the canary", "type": "unavailable",
+                                       "code": "not_ready"}}, status=503)
     s = collector(plan).tick()
     assert s.proxy.health == "ok" and "no decoder passed the canary" in s.proxy.ready
     assert s.overall == "degraded"
@@ -221,3 +222,35 @@ def test_nvml_sampler_without_a_driver_is_na():
     if not isinstance(out, NA):
         pytest.skip("this host has NVML")
     assert "NVML missing" in out.reason or "nvidia-ml-py" in out.reason
+
+
+def test_health_is_polled_every_few_ticks_and_at_once_when_a_scrape_fails(stack):
+    plan, ep = stack
+    c = collector(plan, units_every=5)
+    c.tick()
+    hits = ep["p"].hits.get("/health", 0)
+    c.tick()
+    assert ep["p"].hits.get("/health", 0) == hits          # healthy: /metrics each tick, /health every 5th
+    ep["d"].routes.pop("/metrics")                           # a scrape fails -> health re-read this tick
+    ep["d"].set("/health", "dead", status=503)
+    s = c.tick()
+    assert s.workers[1].health == "unhealthy (HTTP 503)" and s.overall == "degraded"
+
+
+def test_twin_gpu_state_files_are_read_through_the_twin_sampler(stack, tmp_path):
+    from appliance.collector import twin_sampler
+    from appliance.inventory import detect
+    from appliance.twin.gpus import GpuSample, write_state
+    plan, _ = stack
+    write_state(tmp_path / "gpu-1.json", GpuSample(
+        index=1, name="NVIDIA H200", util_pct=63.0, mem_used_bytes=120 * 2**30, mem_total_bytes=141 * 2**30,
+        temp_c=55.0, power_w=480.0, power_limit_w=700.0,
+        processes=({"pid": 4242, "name": "twin engine", "used_bytes": 120 * 2**30},),
+        updated_at=time.time(), source="twin:test"))
+    s = Collector(plan, twin_sampler(state_dir=tmp_path, inventory=detect("twin:2xH200")),
+                  units=NoUnits("x")).tick()
+    g0, g1 = s.gpus
+    assert s.gpu_source == "twin"
+    assert (g0.util_pct, g0.instance) == (0.0, "prefill-0")   # no state file: idle
+    assert (g1.util_pct, g1.temp_c, g1.instance) == (63.0, 55.0, "decode-0")
+    assert g1.processes[0].pid == 4242 and g1.processes[0].owner == "decode-0"

@@ -140,3 +140,73 @@ def test_pdctl_status_end_to_end(endpoints, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "appliance", "status", "--config", str(tmp_path / "nope.json")],
                          capture_output=True, text=True, timeout=30, cwd=ROOT, env=env)
     assert bad.returncode == 2 and "not found" in bad.stderr
+
+
+def _canon(fams: dict) -> dict:
+    return {k: sorted((n, tuple(sorted(lab.items())), v) for n, lab, v in vals) for k, vals in fams.items()}
+
+
+def test_fast_parser_agrees_with_prometheus_client_on_a_real_scrape():
+    from appliance.collector.scrape import fast_parse, parse_metrics, prefilter, reference_parse
+    text = (FIX / "vllm_cpu_0.32.txt").read_text()
+    fast = fast_parse(text)
+    assert fast is not None and len(fast) > 80
+    assert _canon(fast) == _canon(reference_parse(text).families)
+    for t in (lmcache_metrics(10, 5, evicted=2), proxy_metrics(3, [0.1, 2.0], {"short": 1})):
+        assert _canon(fast_parse(t)) == _canon(reference_parse(t).families)
+    # what it does not fully understand goes to the reference parser
+    escaped = '# TYPE m gauge\nm{path="a\\"b"} 1.0\n'
+    assert fast_parse(escaped) is None
+    assert parse_metrics(escaped).families["m"][0][1] == {"path": 'a"b'}
+    kept = prefilter(text, frozenset({"vllm:num_requests_waiting"}))
+    assert "waiting_by_reason" not in kept and "vllm:num_requests_waiting{" in kept and "# HELP" not in kept
+
+
+def test_keep_alive_fetcher_reuses_its_connection_and_survives_a_server_close():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from appliance.collector.scrape import Fetcher
+    conns: list = []
+
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            conns.append(self.client_address)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            if self.path == "/bye":
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *a) -> None:
+            pass
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        f = Fetcher(0.5)
+        url = f"http://127.0.0.1:{srv.server_address[1]}/metrics"
+        assert all(f(url).body == "ok" for _ in range(5))
+        assert len(conns) == 1
+        bye = url.replace("/metrics", "/bye")
+        assert f(bye).ok and f(bye).ok
+        f.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_pdctl_logs_runs_journalctl(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-m", "appliance", "logs", "proxy", "-n", "5", "--config",
+                          str(tmp_path / "none.json")], capture_output=True, text=True, timeout=30, cwd=ROOT, env=env)
+    assert run.returncode in (0, 1)               # 0: journal read (maybe empty); 1: no journalctl, said why
+    assert run.returncode == 0 or "journalctl" in run.stderr
+    bad = subprocess.run([sys.executable, "-m", "appliance", "logs", "-p", "loud", "--config",
+                          str(tmp_path / "none.json")], capture_output=True, text=True, timeout=30, cwd=ROOT, env=env)
+    assert bad.returncode == 2 and "priority" in bad.stderr

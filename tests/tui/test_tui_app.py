@@ -65,7 +65,7 @@ async def test_na_values_render_as_na_and_say_why():
         assert cell(app, "roles", "pd-worker@decode-1.service", "kv") == "NA"
         assert cell(app, "roles", "pd-kvcache.service", "unit") == "NA"
         assert "no GPU samples" in cell(app, "gpus", "none", "role")
-        assert "kv server NA" in str(app.query_one("#kv").render())
+        assert "kv srv  NA" in str(app.query_one("#kv").render())
         assert "SLO NA" in str(app.query_one("#ttft-text").render())
         await pilot.press("question_mark")
         await settle(pilot)

@@ -11,13 +11,21 @@ from appliance.status import duration, na_notes
 STATE_STYLE = {"ready": "bold green", "degraded": "bold yellow", "down": "bold red"}
 
 
+def plan_shape(snap: Snapshot) -> str:
+    """``1P3D`` for a disaggregated plan (prefill/decode worker counts), ``2x aggregated`` otherwise."""
+    roles = [w.role for w in snap.workers]
+    if snap.mode == "disaggregated":
+        return f"{roles.count('prefill')}P{roles.count('decode')}D"
+    return f"{len(roles)}x {snap.mode}"
+
+
 def title(snap: Optional[Snapshot], paused: bool) -> Text:
     t = Text()
     if snap is None:
         t.append("pdctl  waiting for the first sample…", style="bold")
         return t
     t.append("pdctl ", style="bold")
-    t.append(f"{snap.mode} · {snap.engine} {snap.engine_version} · {snap.model} · ")
+    t.append(f"{plan_shape(snap)} · {snap.engine} {snap.engine_version} · {snap.model} · ")
     t.append(snap.overall.upper(), style=STATE_STYLE.get(snap.overall, "bold"))
     t.append(f" · up {duration(snap.uptime_s)}")
     if paused:

@@ -32,12 +32,12 @@ def ttft_text(snap: Snapshot) -> Text:
 def kv_text(snap: Snapshot) -> Text:
     lay, k = snap.kv_layers, snap.kv
     t = Text()
-    _line(t, "engine   ", pct(lay.engine_local))
-    _line(t, "connector", pct(lay.connector))
-    _line(t, "kv server", pct(lay.kv_server))
-    _line(t, "L1       ", f"{pct(k.l1_usage)} of {gib(k.l1_total_bytes)}" if not is_na(k.l1_usage)
+    _line(t, "engine ", pct(lay.engine_local))
+    _line(t, "connect", pct(lay.connector))
+    _line(t, "kv srv ", pct(lay.kv_server))
+    _line(t, "L1     ", f"{pct(k.l1_usage)}/{gib(k.l1_total_bytes)}" if not is_na(k.l1_usage)
           else "NA")
-    _line(t, "evict/s  ", num(k.evictions_per_s))
+    _line(t, "evict/s", num(k.evictions_per_s))
     return t
 
 
