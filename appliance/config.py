@@ -85,8 +85,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "proxy": {
         "host": Key(str, "0.0.0.0", "address the public port binds (127.0.0.1 to keep it local)"),
         "policy": Key(str, "pdctl", "routing: pdctl (load- and cache-aware) or round-robin (the seed's)", "policy"),
-        "kv_wait_s": Key(float, 2.0, "bounded wait for LMCache's request_store_finished before the decode leg",
-                         "posf"),
+        "kv_wait_s": Key(float, 2.0, "bounded wait for LMCache's request_store_finished before the decode leg "
+                                     "(0 = do not wait)", "nonnegf"),
         "pd_min_prompt_tokens": Key(int, 512, "shorter prompts skip the prefill leg", "nonneg"),
         "api_key_file": Key(str, "", "file holding the API key required on the public port ('' = none)", "path?"),
     },

@@ -113,7 +113,13 @@ if ! is_complete; then
     exit 1
 fi
 if [ "$KIND" = cpu ]; then
-    "$VENV/bin/python" -c 'import torch, vllm, lmcache; assert torch.__version__.endswith("+cpu"), torch.__version__' \
-        || { err "import check failed in $VENV"; exit 1; }
+    # lmcache logs an INFO line on import; the output is shown only when the check fails.
+    if ! out=$("$VENV/bin/python" -c 'import torch, vllm, lmcache
+assert torch.__version__.endswith("+cpu"), torch.__version__' 2>&1); then
+        echo "$out" | tail -n 20 >&2
+        err "import check failed in $VENV"
+        exit 1
+    fi
+    log "import check passed (torch CPU build, vllm, lmcache)"
 fi
 log "done in $(( $(date +%s) - T0 )) s; venv size $(du -sh "$VENV" | cut -f1)"

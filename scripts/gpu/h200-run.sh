@@ -117,6 +117,7 @@ for c in $CONFIGS; do
     nokv) run_config nokv "kv_connector = false" ;;
     agg) run_config agg "gpu_indices = [0]" ;;
     pdrr) run_config pdrr $'[proxy]\npolicy = "round-robin"' ;;
+    nowait) run_config nowait $'[proxy]\nkv_wait_s = 0.0' ;;
   esac
 done
 log "END"
