@@ -127,6 +127,7 @@ def from_config_dir(path: Path) -> ModelProfile:
     params = layers * (attn + mlp) + emb
     st = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     weights = st if st > 0 else params * nbytes
+    path = path.resolve()  # vLLM and LMCache key on this string: relative paths break under systemd
     return ModelProfile(
         name=str(path), hf_id=str(path), params_b=params / 1e9, active_params_b=params / 1e9,
         weights_bytes=int(weights), kv_bytes_per_token=int(kv), num_layers=layers,

@@ -232,9 +232,12 @@ def _twin_argv(role: str, port: int, model: ModelProfile, served: str, ov: Overr
 
 
 def _worker_env(role: str, gpus: list[GPU], ov: Overrides, version: str, proxy: ProxyPlan,
-                cpus: tuple) -> dict:
+                cpus: tuple, model: ModelProfile | None = None) -> dict:
     env = {"PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "LMCACHE_TRACK_USAGE": "false", "PYTHONUNBUFFERED": "1"}
+    if model is not None and model.hf_id.startswith("/"):
+        env["HF_HUB_OFFLINE"] = "1"          # a local model directory: never reach for the hub
+        env["TRANSFORMERS_OFFLINE"] = "1"
     if ov.engine != "twin":
         env.update(flags_for(version).env)
     if ov.engine == "vllm":
@@ -406,7 +409,7 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
             argv = _twin_argv(role, port, model, served, ov, hw, grp[0], ov.kv_zmq_port, ov.kv_http_port)
         else:
             argv = _vllm_argv(role, port, tp, model, served, work, ov, version, ov.kv_zmq_port)
-        env = _worker_env(role, ggpus, ov, version, proxy, cpus)
+        env = _worker_env(role, ggpus, ov, version, proxy, cpus, model)
         workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=tuple(grp), port=port, argv=argv,
                                   env=env, tp=tp, gpu_uuids=tuple(g.uuid for g in ggpus), cpus=cpus))
     kv = _kv_plan(inv, len(workers), len(workers) * tp, ov, reasons, cpu_engine=False)
@@ -442,7 +445,7 @@ def _cpu_plan(inv: Inventory, model: ModelProfile, work: Workload, ov: Overrides
         port = (ov.prefill_port_base if role == "prefill" else ov.decode_port_base) + i
         cpus = tuple(range(idx * per, (idx + 1) * per))
         argv = _vllm_argv(role, port, 1, model, served, work, ov, version, ov.kv_zmq_port)
-        env = _worker_env(role, [], ov, version, proxy, cpus)
+        env = _worker_env(role, [], ov, version, proxy, cpus, model)
         workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=(), port=port, argv=argv, env=env,
                                   tp=1, cpus=cpus))
     kv = _kv_plan(inv, n, n, ov, reasons, cpu_engine=True)

@@ -162,3 +162,20 @@ def test_cpu_engine_plan(tmp_path):
     assert "--kv-cache-memory-bytes" in w.argv and "--gpu-memory-utilization" not in w.argv
     assert "--supported-transfer-mode" in plan.kv_server.argv
     assert plan.workers[1].env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_real_2xh200_inventory_replay():
+    """`pdctl detect --json` from a lent 2x H200 (real NVML), replayed: NV18 pair, NUMA not supported (NA)."""
+    inv = detect(str(Path(__file__).parent / "fixtures" / "detect-2xH200.json"))
+    assert inv.source.startswith("file:") and [g.name for g in inv.gpus] == ["NVIDIA H200"] * 2
+    assert inv.islands() == [[0, 1]]
+    assert str(inv.gpus[0].numa_node) == "NA" and "Not Supported" in inv.gpus[0].numa_node.reason
+    plan = make_plan(inv, models.resolve("llama-3.1-8b"), Workload(max_model_len=10000))
+    assert [(w.instance, w.gpus) for w in plan.workers] == [("prefill-0", (0,)), ("decode-0", (1,))]
+    # vLLM 0.26.0 reported 828,662 KV tokens for this shape at 0.85 (docs/gpu-run.md); the planner's estimate
+    # for the same GPU must stay within 10 % of what the engine measured
+    from appliance.planner import kv_tokens_per_worker
+    from dataclasses import replace as _r
+    dummy = _r(models.resolve("llama-3.1-8b"), weights_bytes=int(13.5 * 1024**3))
+    est = kv_tokens_per_worker(inv.gpus[0].memory_total_bytes, 1, dummy, 0.85)
+    assert abs(est - 828_662) / 828_662 < 0.10, est
