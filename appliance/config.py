@@ -88,7 +88,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "kv_wait_s": Key(float, 2.0, "bounded wait for LMCache's request_store_finished before the decode leg "
                                      "(0 = do not wait)", "nonnegf"),
         "pd_min_prompt_tokens": Key(int, 512, "shorter prompts skip the prefill leg", "nonneg"),
-        "api_key_file": Key(str, "", "file holding the API key required on the public port ('' = none)", "path?"),
+        "api_key_file": Key(str, "", "file holding the API key required on the public port ('' = none); "
+                                     "make it root:pdctl 0640", "path?"),
+        "public_status": Key(bool, False, "serve /pdctl/status on the public port for a fleet front node "
+                                          "(read-only; refused without api_key_file)"),
     },
     "kv_server": {
         "kind": Key(str, "", "lmcache (real server) or twin ('' = lmcache for vllm engines, twin for twin)",

@@ -54,6 +54,8 @@ class ProxyPlan:
     policy: str = "pdctl"
     kv_wait_s: float = 2.0    # bounded wait for request_store_finished before the D leg goes anyway
     pd_min_prompt_tokens: int = 512  # shorter prompts skip the P leg (nothing a prefiller can store)
+    api_key_file: str = ""    # clients must send this key as Bearer on the public port ("" = no key)
+    public_status: bool = False  # serve /pdctl/status on the public port (needs the API key; fleet front nodes)
 
     @property
     def telemetry_url(self) -> str:
@@ -104,7 +106,8 @@ class Plan:
         p = d["proxy"]
         px = ProxyPlan(host=p["host"], port=int(p["port"]), internal_port=int(p["internal_port"]),
                        policy=p.get("policy", "pdctl"), kv_wait_s=float(p.get("kv_wait_s", 2.0)),
-                       pd_min_prompt_tokens=int(p.get("pd_min_prompt_tokens", 512)))
+                       pd_min_prompt_tokens=int(p.get("pd_min_prompt_tokens", 512)),
+                       api_key_file=str(p.get("api_key_file", "")), public_status=bool(p.get("public_status", False)))
         return cls(mode=d["mode"], engine=d["engine"], engine_version=d.get("engine_version", ""),
                    model=d["model"], served_model_name=d.get("served_model_name", d["model"]),
                    tp=int(d.get("tp", 1)), workers=workers, kv_server=kv, proxy=px,

@@ -36,5 +36,10 @@ def plan_from_settings(s: Settings, inventory: Inventory | None = None) -> Plan:
     plan = make_plan(inv, model, work, ov)
     px = s.values["proxy"]
     from dataclasses import replace
+    if px["public_status"] and not px["api_key_file"]:
+        from .config import ConfigError
+        raise ConfigError(f"{s.path}: proxy.public_status: needs proxy.api_key_file (the status is only served to "
+                          "clients holding the API key)")
     return replace(plan, proxy=replace(plan.proxy, kv_wait_s=px["kv_wait_s"],
-                                       pd_min_prompt_tokens=px["pd_min_prompt_tokens"]))
+                                       pd_min_prompt_tokens=px["pd_min_prompt_tokens"],
+                                       api_key_file=px["api_key_file"], public_status=px["public_status"]))

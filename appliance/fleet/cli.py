@@ -126,6 +126,11 @@ def _wrap(fn):
         except FleetError as exc:
             print(f"pdctl {args.verb}: error: {exc}", file=sys.stderr)
             return EXIT_BAD
+        except OSError as exc:
+            where = exc.filename or ""
+            print(f"pdctl {args.verb}: error: {where}: {exc.strerror or exc} (check the path and permissions)",
+                  file=sys.stderr)
+            return EXIT_FAIL
     return run
 
 
@@ -179,7 +184,8 @@ def register(subparsers) -> None:
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--hardware", default="a100-80gb")
     p.add_argument("--model", default="deepseek-v2-lite")
-    p.add_argument("--num-prompts", dest="num_prompts", type=int, default=1200, help="per fleet rate")
+    p.add_argument("--num-prompts", dest="num_prompts", type=int, default=600,
+                   help="prompts per box and rate (default %(default)s, as the seed's benchmark)")
     p.add_argument("--slo", type=float, default=2.0, help="TTFT p95 target in seconds for the summary")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_wrap(cmd_whatif))
@@ -187,7 +193,8 @@ def register(subparsers) -> None:
     exp = subparsers.add_parser("export", help="the plan for other platforms (llm-d on Kubernetes)")
     esub = exp.add_subparsers(dest="export_verb", required=True, metavar="TARGET")
     p = esub.add_parser("llm-d", help="Kubernetes manifests + llm-d-modelservice values from a plan, validated")
-    p.add_argument("--plan", required=True, help="plan JSON (`pdctl plan --engine vllm --json`, or /etc/pdctl/plan.json)")
+    p.add_argument("--plan", required=True,
+                   help="plan JSON (`pdctl plan --engine vllm --json`, or /etc/pdctl/plan.json)")
     p.add_argument("--out", required=True, help="directory to write into")
     p.add_argument("--namespace", default="default")
     p.add_argument("--name", help="object name prefix (default: the served model name)")

@@ -123,9 +123,17 @@ def run_install(args: argparse.Namespace, fleet: FleetPlan) -> int:
         raise FleetError(f"systemctl start {C.ROUTER_UNIT} failed: {r.stderr.strip()}; see "
                          f"`journalctl -u {C.ROUTER_UNIT}`")
     if not wait_router(fleet, args.ready_timeout):
-        print(f"[WARN] the router did not answer {fleet.router.url} within {args.ready_timeout:.0f} s; see "
-              f"`journalctl -u {C.ROUTER_UNIT}`", file=sys.stderr)
+        print(f"[WARN] the router did not answer {fleet.router.url} within {args.ready_timeout:.0f} s: it serves "
+              "only once at least one box passes /ready (it retries every minute until one does); see "
+              f"`journalctl -u {C.ROUTER_UNIT}` and `pdctl fleet status`", file=sys.stderr)
         return EXIT_FAIL
+    if fleet.router.policy == "cache_aware":
+        from .status import tokenize_support
+        for n in fleet.nodes:
+            t = tokenize_support(n)
+            if t != "yes":
+                print(f"[WARN] box {n.label}: POST /tokenize -> {t}; cache_aware routes its text prompts by load "
+                      "only (see docs/fleet.md)", file=sys.stderr)
     info(f"router up: {fleet.router.url}/v1 -> " + ", ".join(n.url for n in fleet.nodes) +
          f"; metrics {fleet.router.metrics_url}; `pdctl fleet status` shows every box")
     return EXIT_OK

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from .. import constants as C
 
@@ -105,6 +105,9 @@ class FleetPlan:
         except (KeyError, TypeError, ValueError) as exc:
             raise FleetError(f"{where}: not a pdctl fleet plan ({type(exc).__name__}: {exc}); "
                              "write one with `pdctl fleet plan --node HOST[:PORT] ... --out FILE`") from None
+        if "--worker-urls" not in router.argv or not nodes:
+            raise FleetError(f"{where}: the router command or the box list is empty; re-create the file with "
+                             "`pdctl fleet plan --node HOST[:PORT] ... --out FILE`")
         if int(d.get("schema_version", 1)) != 1:
             raise FleetError(f"{where}: schema_version {d.get('schema_version')} is not supported (expected 1)")
         return cls(nodes=nodes, router=router, reasons=tuple(d.get("reasons", ())))
@@ -239,7 +242,7 @@ def make_fleet_plan(node_specs: list, policy: str = DEFAULT_POLICY, listen: str 
         f"{r.health_path} is 200 only while the box's PD canary passes",
         f"failover: {r.retries} retries before the first byte; {r.cb_failures} failures open a box's breaker for "
         f"{r.cb_open_s} s so the retry lands on another box",
-        f"clients send the boxes' API key; vllm-router passes Authorization through (all boxes share one key)",
+        "clients send the boxes' API key; vllm-router passes Authorization through (all boxes share one key)",
         f"router metrics on {mhost}:{mport} (Prometheus)",
     ]
     if len(nodes) == 1:

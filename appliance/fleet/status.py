@@ -154,11 +154,16 @@ def collect(fleet: FleetPlan, api_key: str | None = None, timeout: float = 2.0) 
         w = n.url
         hv = _get(metrics, C.ROUTER_WORKER_HEALTH, worker=w)
         cb = _get(metrics, C.ROUTER_CB_STATE, worker=w)
+        # with metrics at hand, an absent per-box sample means "never used": breaker closed, zero requests
+        seen = bool(metrics)
+        req = _get(metrics, C.ROUTER_PROCESSED, worker=w)
+        run = _get(metrics, C.ROUTER_RUNNING, worker=w)
         out.append(BoxView(**{**asdict(b),
                               "router_health": "NA" if hv is None else ("healthy" if hv >= 1 else "unhealthy"),
-                              "router_breaker": "NA" if cb is None else CB_STATES.get(int(cb), str(cb)),
-                              "router_requests": _get(metrics, C.ROUTER_PROCESSED, worker=w),
-                              "router_running": _get(metrics, C.ROUTER_RUNNING, worker=w)}))
+                              "router_breaker": CB_STATES.get(int(cb), str(cb)) if cb is not None else
+                              ("closed" if seen else "NA"),
+                              "router_requests": req if req is not None or not seen else 0.0,
+                              "router_running": run if run is not None or not seen else 0.0}))
     decisions = {dict(k[1]).get("outcome", "?"): v for k, v in metrics.items()
                  if k[0] in (C.ROUTER_PREFIX_DECISIONS, C.ROUTER_PREFIX_DECISIONS[:-6])}
     retries = sum(v for k, v in metrics.items() if k[0] in (C.ROUTER_RETRIES, C.ROUTER_RETRIES[:-6])) \
@@ -184,10 +189,29 @@ def render_text(view: FleetView) -> str:
                      f"{b.router_breaker:<10}{_n(b.router_requests):>7}{_n(b.router_running):>5}"
                      f"{_n(b.requests_ok):>7}{_n(b.requests_failed):>6}"
                      f"{_n(None if b.prefill_hit_rate is None else 100 * b.prefill_hit_rate, '{:.0f}%'):>7}")
-        for why in (b.health if b.health.startswith("down") else "", b.ready if b.ready != "ready" else "",
-                    b.detail, ("open breakers: " + ", ".join(b.open_breakers)) if b.open_breakers else ""):
+        whys = [b.health] if b.health.startswith("down") else \
+            [b.ready if b.ready != "ready" else "", b.detail,
+             ("open breakers: " + ", ".join(b.open_breakers)) if b.open_breakers else ""]
+        for why in whys:
             if why:
                 notes.append(f"  {b.name}: {why}")
+    missing = view.prefix_decisions.get("missing_tokens", 0)
+    if missing:
+        notes.append(f"  router: {missing:.0f} request(s) routed by load only: cache_aware needs each box to answer "
+                     "POST /tokenize (or /v1/*/render) to see prompt tokens; until the boxes do, send token-id "
+                     "prompts or use --policy consistent_hash with X-Session-Id")
     if notes:
         lines += ["", "why:"] + notes
     return "\n".join(lines) + "\n"
+
+
+def tokenize_support(node: Node, api_key: str | None = None, timeout: float = 2.0) -> str:
+    """Whether the box answers POST /tokenize, which cache_aware needs for text prompts: yes | no | unknown."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.post(node.url + "/tokenize", json={"prompt": "pdctl probe"}, headers=headers, timeout=timeout)
+    except httpx.HTTPError as exc:
+        return f"unknown ({_err(exc)})"
+    if r.status_code in (404, 405, 501):
+        return "no"
+    return "yes" if r.status_code == 200 else f"unknown (HTTP {r.status_code})"

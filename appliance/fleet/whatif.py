@@ -3,6 +3,8 @@
 Model: the router splits the fleet's Poisson arrivals evenly (a split Poisson stream is Poisson), and each
 box holds the shared system prompt after its first request, so a fleet of N boxes at rate R behaves like
 N independent boxes at R/N. The router's own hop (about a millisecond on a LAN) is not modelled.
+Each box runs ``num_prompts`` prompts per rate, the seed's ``vllm bench serve`` method (600 per rate), so
+"delivered" is completed / duration per box (the drain of the last requests included), summed over boxes.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class WhatIfRow:
 
 
 def fleet_whatif(boxes: list, rates: list, prefill: int = 1, decode: int = 2, hardware: str = "a100-80gb",
-                 model: str = "deepseek-v2-lite", num_prompts: int = 1200, tp: int = 1, seed: int = 2003) -> list:
+                 model: str = "deepseek-v2-lite", num_prompts: int = 600, tp: int = 1, seed: int = 2003) -> list:
     from ..twin.simulator import SimError, simulate
     if not boxes or any(n < 1 for n in boxes):
         raise FleetError(f"--boxes {boxes}: give counts >= 1, e.g. 1,2,4")
@@ -35,7 +37,7 @@ def fleet_whatif(boxes: list, rates: list, prefill: int = 1, decode: int = 2, ha
         for r in rates:
             try:
                 res = simulate(hardware=hardware, model=model, prefill=prefill, decode=decode, rates=[r / n],
-                               num_prompts=max(100, num_prompts // n), policy="pdctl", seed=seed)[0]
+                               num_prompts=num_prompts, policy="pdctl", seed=seed)[0]
             except SimError as exc:
                 raise FleetError(str(exc)) from None
             rows.append(WhatIfRow(boxes=n, gpus=n * (prefill + decode) * tp, rate=float(r),

@@ -6,6 +6,12 @@ no value can be misread as a number, boolean or null.
 from __future__ import annotations
 
 import json
+import re
+
+_PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]*$")
+# characters YAML does not allow raw, or reads as line breaks (NEL, LS, PS); all of them are in the BMP
+_NONPRINTABLE = re.compile("[^\t\n\r\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+_RESERVED = {"y", "n", "yes", "no", "on", "off", "true", "false", "null"}   # YAML 1.1 readers resolve these
 
 
 def _scalar(v) -> str:
@@ -15,7 +21,16 @@ def _scalar(v) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return json.dumps(v)
-    return json.dumps(str(v), ensure_ascii=False)
+    return _NONPRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(str(v), ensure_ascii=False))
+
+
+def _inline(v) -> str:
+    """A leaf: a scalar, or an empty mapping/sequence."""
+    if isinstance(v, dict):
+        return "{}"
+    if isinstance(v, list):
+        return "[]"
+    return _scalar(v)
 
 
 def _lines(v, indent: int) -> list:
@@ -25,13 +40,12 @@ def _lines(v, indent: int) -> list:
         if not v:
             return [pad + "{}"]
         for k, x in v.items():
-            key = _scalar(str(k)) if not str(k).replace("-", "").replace("_", "").replace(".", "").replace(
-                "/", "").isalnum() else str(k)
+            key = str(k) if _PLAIN_KEY.match(str(k)) and str(k).lower() not in _RESERVED else _scalar(str(k))
             if isinstance(x, (dict, list)) and x:
                 out.append(f"{pad}{key}:")
                 out += _lines(x, indent + 2)
             else:
-                out.append(f"{pad}{key}: {_scalar(x) if not isinstance(x, (dict, list)) else ('{}' if isinstance(x, dict) else '[]')}")
+                out.append(f"{pad}{key}: {_inline(x)}")
         return out
     if isinstance(v, list):
         if not v:
@@ -42,7 +56,7 @@ def _lines(v, indent: int) -> list:
                 out.append(f"{pad}- {sub[0].lstrip()}")
                 out += sub[1:]
             else:
-                out.append(f"{pad}- {_scalar(x) if not isinstance(x, (dict, list)) else ('{}' if isinstance(x, dict) else '[]')}")
+                out.append(f"{pad}- {_inline(x)}")
         return out
     return [pad + _scalar(v)]
 

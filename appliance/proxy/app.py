@@ -33,6 +33,9 @@ _KNOWN_GET = ("/v1/models", "/health", "/ready", "/metrics")
 _SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
+CANARY_PROMPT = "pdctl readiness canary: " + " ".join(f"probe{i % 97} check" for i in range(200))
+
+
 def _json(obj, status: int = 200) -> Response:
     return Response(json.dumps(obj).encode(), status)
 
@@ -83,6 +86,8 @@ class ProxyServer:
                         ("POST", "/v1/chat/completions"): self.h_chat}
         self._internal = {("POST", C.TELEMETRY_PATH): self.h_telemetry, ("GET", "/pdctl/status"): self.h_status,
                           ("GET", "/health"): self.h_health, ("GET", "/metrics"): self.h_metrics}
+        if cfg.public_status:
+            self._public[("GET", C.BOX_STATUS_PATH)] = self.h_public_status
 
     # ----- shared helpers --------------------------------------------------------------------------
     def backend_headers(self) -> dict:
@@ -166,6 +171,12 @@ class ProxyServer:
         got = request.headers.get("authorization", "")
         return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode("utf-8", "replace"),
                                                                  self.cfg.api_key.encode())
+
+    async def h_public_status(self, request):
+        """Read-only box status for a fleet front node: the internal JSON, only with the API key."""
+        if not self.cfg.api_key or not self._authorized(request):
+            return error_response(UNAUTHORIZED)
+        return await self.h_status(request)
 
     async def h_models(self, request):
         if not self._authorized(request):
@@ -369,6 +380,9 @@ class ProxyServer:
         m.e2e_path[route].observe(time.monotonic() - t0)
 
     # ----- readiness canary -------------------------------------------------------------------------
+    # The prompt is longer than one LMCache chunk (256 tokens) so that the canary makes the prefiller store
+    # and the decoder retrieve: lmcache 0.5.6 starts a worker's heartbeat (which re-registers it after a KV
+    # server restart) only after that worker's first store or retrieve (docs/real-engines.md).
     async def canary_once(self) -> bool:
         """One real request through both legs (P then D, max_tokens=1): the only honest readiness signal."""
         t0 = time.monotonic()
@@ -380,7 +394,7 @@ class ProxyServer:
         if not models:
             self.canary.update(ok=False, error="no backend answered GET /v1/models")
             return False
-        body = {"model": sorted(models)[0], "prompt": "pdctl readiness canary", "max_tokens": 1,
+        body = {"model": sorted(models)[0], "prompt": CANARY_PROMPT, "max_tokens": 1,
                 "temperature": 0, "stream": False}
         raw = json.dumps(body).encode()
         rid = new_request_id()

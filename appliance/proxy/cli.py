@@ -22,8 +22,9 @@ def _hostport(value: str) -> tuple:
 
 def _url(value: str) -> str:
     v = value.rstrip("/")
-    if not v.startswith(("http://", "https://")):
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a URL like http://127.0.0.1:8100")
+    if not v.startswith("http://") or not v[7:]:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected an engine URL like http://127.0.0.1:8100 (engines "
+                                          "are reached over plain HTTP on loopback)")
     return v
 
 
@@ -49,6 +50,8 @@ def register(subparsers) -> None:
     p.add_argument("--first-byte-timeout-s", type=float)
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--on-prefill-failure", choices=("fail", "decode"))
+    p.add_argument("--public-status", action="store_true",
+                   help="also serve /pdctl/status on the public port (read-only, API key required)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=main)
 
@@ -87,6 +90,11 @@ def config_from_args(args, plan=None) -> ProxyConfig:
         if v is not None:
             kw[k] = v
     kw["api_key"] = _read_key(args.api_key_file)
+    if getattr(args, "public_status", False):
+        kw["public_status"] = True
+    if (kw.get("public_status") or cfg.public_status) and not kw["api_key"]:
+        raise SystemExit("pdctl proxy: the public status endpoint needs an API key: pass --api-key-file "
+                         "(or set [proxy] api_key_file), or turn public_status off")
     kw["backend_api_key"] = _read_key(args.backend_api_key_file)
     return replace(cfg, **kw)
 
@@ -96,7 +104,13 @@ async def serve(cfg: ProxyConfig, stop: asyncio.Event | None = None) -> None:
     from .. import sdnotify
     from .app import ProxyServer
     server = ProxyServer(cfg)
-    await server.start()
+    try:
+        await server.start()
+    except OSError as e:
+        await server.stop()
+        raise SystemExit(f"pdctl proxy: cannot listen on {cfg.host}:{cfg.port} or {cfg.internal_host}:"
+                         f"{cfg.internal_port}: {e.strerror or e}; is another proxy running (systemctl status "
+                         f"{C.PROXY_UNIT})? Pick other ports with --listen/--internal")
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -141,8 +155,12 @@ def main(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     plan = None
     if not (args.prefill or args.decode or args.both):
-        from ..config import load_plan
+        from ..config import load_plan, resolve
         plan = load_plan(args.config)
+        if args.api_key_file is None:      # the plan's (from [proxy] api_key_file), unless a flag overrides
+            key_file = plan.proxy.api_key_file or (resolve(Path(args.config)).get("proxy", "api_key_file")
+                                                   if Path(args.config).suffix == ".toml" else "")
+            args.api_key_file = Path(key_file) if key_file else None
     cfg = config_from_args(args, plan)
     _run(serve(cfg))
     return 0

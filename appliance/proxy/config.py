@@ -46,6 +46,7 @@ class ProxyConfig:
     ready_window_s: float = 30.0             # /ready is true while the last good canary is younger than this
     max_attempts: int = 3                    # per leg, each on a different backend
     on_prefill_failure: str = "fail"         # "fail" (503, counted) | "decode" (D does the prefill, counted)
+    public_status: bool = False              # GET /pdctl/status on the public port too (API key required)
     extra: dict = field(default_factory=dict)
 
     def role(self, role: str) -> list:
@@ -63,6 +64,7 @@ def from_plan(plan, **overrides) -> ProxyConfig:
         specs.append(BackendSpec(url=w.url(), role=w.role, name=w.instance, telemetry=tel and w.role != "decode"))
     p = plan.proxy
     kw = dict(backends=tuple(specs), host=p.host, port=p.port, internal_port=p.internal_port, policy=p.policy,
-              kv_wait_s=p.kv_wait_s, pd_min_prompt_tokens=p.pd_min_prompt_tokens)
+              kv_wait_s=p.kv_wait_s, pd_min_prompt_tokens=p.pd_min_prompt_tokens,
+              public_status=getattr(p, "public_status", False))
     kw.update(overrides)
     return ProxyConfig(**kw)

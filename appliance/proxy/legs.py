@@ -39,6 +39,20 @@ def decode_body(raw: bytes, body: dict, kv_params) -> bytes:
     return json.dumps(d).encode()
 
 
+def _kv_params(raw: bytes, label: str):
+    """The prefill answer's kv_transfer_params (opaque), parsing the JSON only when there is one to carry."""
+    i = raw.find(b'"kv_transfer_params"')
+    if i >= 0 and raw[i + 20:i + 40].lstrip(b": \t\r\n").startswith(b"null"):
+        return None
+    try:
+        ans = json.loads(raw)
+    except ValueError:
+        raise LegFailure(f"{label}: prefill answer is not JSON: {raw[:120]!r}") from None
+    if not isinstance(ans, dict):
+        raise LegFailure(f"{label}: prefill answer is not a JSON object: {raw[:120]!r}")
+    return ans.get("kv_transfer_params")
+
+
 class LegFailure(Exception):
     """The backend failed this leg (5xx, broken answer): blame it and try another."""
 
@@ -131,12 +145,7 @@ class Legs:
                 raise LegFailure(f"{b.label}: prefill answered HTTP {status}: {raw[:160]!r}")
             if status != 200:
                 return Passthrough(status, raw, ctype)
-            try:
-                ans = json.loads(raw)
-            except ValueError:
-                raise LegFailure(f"{b.label}: prefill answer is not JSON: {raw[:120]!r}") from None
-            kv = ans.get("kv_transfer_params") if isinstance(ans, dict) else None
-            return PrefillResult(b, kv, time.monotonic() - t0)
+            return PrefillResult(b, _kv_params(raw, b.label), time.monotonic() - t0)
 
         out = await self._attempts("prefill", s.policy.pick_prefill, call)
         if isinstance(out, list):

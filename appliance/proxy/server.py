@@ -1,7 +1,7 @@
 """A lean HTTP/1.1 server for the proxy's ports (httptools parser, asyncio/uvloop protocol).
 
-Why not aiohttp's server: per request it cost as much CPU as the two upstream legs together on this
-class of box (``benchmarks/proxy_overhead.py``). What it does: keep-alive and pipelining (one request at
+Why not aiohttp's server: without it the whole proxy used ~15 % less CPU per request (benchmarks/README.md,
+"Proxy overhead"). What it does: keep-alive and pipelining (one request at
 a time per connection), ``Expect: 100-continue``, Content-Length and chunked request bodies with a size
 limit (413 before reading it all), header limits (431), malformed input -> 400 and close. A client that
 goes away cancels its handler task, which closes the upstream legs with it.
@@ -40,10 +40,15 @@ class Response:
 
 
 class Request:
-    __slots__ = ("method", "path", "query", "headers", "body", "conn", "keep_alive", "_head_pending", "started")
+    __slots__ = ("method", "path", "query", "headers", "body", "conn", "keep_alive", "_head_pending", "started",
+                 "chunked")
 
-    def __init__(self, conn, method: str, url: bytes, headers: dict, body: bytes, keep_alive: bool):
+    def __init__(self, conn, method: str, url: bytes, headers: dict, body: bytes, keep_alive: bool,
+                 http10: bool = False):
         self.conn, self.method, self.headers, self.body, self.keep_alive = conn, method, headers, body, keep_alive
+        self.chunked = not http10          # HTTP/1.0 clients get the raw stream, ended by closing
+        if http10:
+            self.keep_alive = False
         raw = url.decode("latin-1")
         path, _, self.query = raw.partition("?")
         self.path = path
@@ -53,19 +58,25 @@ class Request:
     # --- streamed answers ---------------------------------------------------------------------
     def stream(self, status: int, headers: dict) -> None:
         """Begin a chunked answer; the head goes out with the first write (one send for both)."""
-        extra = b"Transfer-Encoding: chunked\r\n" + (b"" if self.keep_alive else b"Connection: close\r\n")
+        extra = (b"Transfer-Encoding: chunked\r\n" if self.chunked else b"") + \
+            (b"" if self.keep_alive else b"Connection: close\r\n")
         self._head_pending = _head(status, headers, extra)
         self.started = True
 
+    def _frame(self, data: bytes) -> bytes:
+        if not data:
+            return b""
+        return b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
+
     async def write(self, data: bytes) -> None:
-        out = b"%x\r\n%s\r\n" % (len(data), data) if data else b""
+        out = self._frame(data)
         if self._head_pending is not None:
             out, self._head_pending = self._head_pending + out, None
         if out:
             await self.conn.send(out)
 
     async def end(self, data: bytes = b"") -> None:
-        out = (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + b"0\r\n\r\n"
+        out = self._frame(data) + (b"0\r\n\r\n" if self.chunked else b"")
         if self._head_pending is not None:
             out, self._head_pending = self._head_pending + out, None
         await self.conn.send(out)
@@ -81,6 +92,7 @@ class _Conn(asyncio.Protocol):
         self.task: asyncio.Task | None = None
         self.write_paused = False
         self.drain_waiter: asyncio.Future | None = None
+        self.dead = False         # answered with an error and closing: ignore whatever else arrives
         self._reset_message()
 
     def _reset_message(self):
@@ -113,7 +125,7 @@ class _Conn(asyncio.Protocol):
             self.drain_waiter.set_result(None)
 
     def data_received(self, data):
-        if self.rejected:
+        if self.dead:
             return
         try:
             self.parser.feed_data(data)
@@ -162,11 +174,12 @@ class _Conn(asyncio.Protocol):
         self.body_parts.append(body)
 
     def on_message_complete(self):
-        if self.rejected:
+        if self.rejected or self.dead:
             return
         method = self.parser.get_method().decode("latin-1")
         body = self.body_parts[0] if len(self.body_parts) == 1 else b"".join(self.body_parts)
-        req = Request(self, method, self.url, self.headers, body, self.parser.should_keep_alive())
+        req = Request(self, method, self.url, self.headers, body, self.parser.should_keep_alive(),
+                      self.parser.get_http_version() == "1.0")
         self.queue.append(req)
         if self.task is None:
             self.task = self.server.loop.create_task(self._serve())
@@ -176,9 +189,9 @@ class _Conn(asyncio.Protocol):
     # --- serving ------------------------------------------------------------------------------
     def _reject(self, status: int, message: str, code: str = "invalid_request") -> None:
         """Answer at once and close: the rest of this connection's bytes cannot be trusted."""
-        if self.rejected:
+        if self.rejected or self.dead:
             return
-        self.rejected = True
+        self.rejected = self.dead = True
         body = self.server.error_body(status, message, code)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(_head(status, {"Content-Type": "application/json", "Content-Length": len(body)},

@@ -1,7 +1,7 @@
 """A lean HTTP/1.1 client for the engines on loopback: keep-alive pools, no per-request task.
 
-Why not aiohttp's client: on this class of box it cost more CPU per request than everything else in
-the proxy together (``benchmarks/proxy_overhead.py``). The engines speak plain HTTP/1.1 (uvicorn/h11):
+Why not aiohttp's client: on this class of box it was the largest CPU cost per request in the proxy
+(``benchmarks/proxy_overhead.py``; see benchmarks/README.md). The engines speak plain HTTP/1.1 (uvicorn/h11):
 Content-Length or chunked bodies, keep-alive. The body arrives as whatever bytes are buffered (chunks
 coalesced), so a stream is relayed with as few writes as the engine made.
 """
@@ -254,7 +254,3 @@ class Pool:
         for c in list(self._all):
             c.close()
         self._idle.clear()
-
-    def abort_all(self, exc: Exception, conns) -> None:
-        for c in list(conns):
-            c.fail(exc)

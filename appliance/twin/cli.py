@@ -76,6 +76,10 @@ def register(subparsers) -> None:
                    help="pdctl policy: skip the P leg when at most this many prompt tokens are uncached")
     s.add_argument("--kv-size-gb", type=float, default=80.0)
     s.add_argument("--seed", type=int, default=2003)
+    s.add_argument("--setup", choices=["auto", "seed", "pdctl"], default="auto",
+                   help="engine mode + store-notify source: seed = --enforce-eager + the seed's proxy (the A100 "
+                   "fit); pdctl = CUDA graphs + pdctl telemetry + prefix caching (what pdctl plan runs); "
+                   "auto = seed for --policy round-robin, pdctl for --policy pdctl")
     s.add_argument("--json", action="store_true", help="print a list of vllm-bench-serve-shaped summaries")
     _engine_cfg_args(s)
     s.set_defaults(func=cmd_simulate)
@@ -121,11 +125,15 @@ def _fmt_table(rows: list[dict]) -> str:
 
 
 def cmd_simulate(a) -> int:
+    from .costmodel import CostParams
+    from .hardware import resolve as resolve_hw
     from .simulator import SimError, Workload, simulate
+    setup = a.setup if a.setup != "auto" else ("pdctl" if a.policy == "pdctl" else "seed")
     try:
+        params = CostParams.for_setup(setup, resolve_hw(a.hardware).name)
         rows = simulate(a.hardware, a.model, a.prefill, a.decode,
                         Workload(a.input_len, a.prefix_len, a.output_len), a.rates, a.num_prompts, a.policy,
-                        a.seed, engine=_engine_cfg(a), kv_size_gb=a.kv_size_gb,
+                        a.seed, params=params, engine=_engine_cfg(a), kv_size_gb=a.kv_size_gb,
                         skip_uncached_max=a.skip_uncached_max)
     except (SimError, HardwareError, ModelError) as exc:
         print(f"pdctl twin simulate: {exc}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """GPU hardware profiles: the physical numbers the cost model starts from.
 
 Each number is a datasheet value (dense, no sparsity) or what NVML reports; the fitted efficiency
-factors that turn peaks into achieved rates live in ``costmodel.CostParams``, never here.
+factors that turn peaks into achieved rates live in ``costmodel.CostParams`` / ``costmodel.HARDWARE_FITS``,
+never here.
 
 Sources:
 - A100-80GB SXM4: NVIDIA A100 datasheet (312 TFLOPS BF16 dense, 2,039 GB/s HBM2e, 400 W, PCIe Gen4 x16).

@@ -106,6 +106,20 @@ class _SimEngine:
         self.link_out = HostLink()
         self.busy = False
         self.outstanding = 0
+        self.apc: set = set()     # chunk keys on the GPU (vLLM automatic prefix caching), see ``local_hit``
+
+    def local_hit(self, keys: list, chunk_tokens: list) -> int:
+        """Leading prompt tokens already on this GPU (APC), then remember the prompt's chunks.
+
+        Approximation: nothing is evicted. The shared prefix is touched by every request so vLLM's LRU
+        keeps it; unique chunks never recur on the same engine, so their eviction does not matter here."""
+        n = 0
+        for k, c in zip(keys, chunk_tokens):
+            if k not in self.apc:
+                break
+            n += c
+        self.apc.update(keys)
+        return n
 
     def kick(self, t: float) -> None:
         if self.busy or not self.core.has_work():
@@ -196,7 +210,11 @@ class _Stack:
     # ---- engines -------------------------------------------------------------------------------
     def lookup(self, t: float, req: _Req, eng: _SimEngine, max_tokens: int) -> None:
         hit = min(self.store.lookup(req.keys, self.chunk_tokens), self.wl.input_len - 1)
-        ready = eng.link_in.reserve(t + self.p.api_overhead_s + self.p.rpc_s, self.cost.host_transfer_time(hit))
+        local = min(eng.local_hit(req.keys, self.chunk_tokens), hit) if self.p.prefix_cache else 0
+        ready = eng.link_in.reserve(t + self.p.api_overhead_s + self.p.rpc_s,
+                                    self.cost.host_transfer_time(hit - local))
+        if hit > local:   # an external load: the connector parks the request until the load is reported
+            ready += self.p.kv_load_s
         seq = Seq(rid=str(req.idx), prompt_len=self.wl.input_len, max_tokens=max_tokens, hit=hit,
                   payload=_PLeg(self, req, eng) if max_tokens == 1 and eng in self.pre else _DLeg(self, req, eng))
         self.loop.at(ready, self._add, eng, seq)

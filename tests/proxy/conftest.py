@@ -1,6 +1,7 @@
 """Fixtures: stand-in engines as real processes on loopback, and an in-process proxy on free ports."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import subprocess
@@ -71,6 +72,15 @@ class EngineProc:
         if self.alive():
             self.proc.kill()
             self.proc.wait(5)
+
+
+@pytest.fixture(autouse=True)
+def _hang_watchdog():
+    """A proxy test that hangs for 120 s dumps every thread's stack and ends the run: a loud failure in CI
+    instead of a silent stall (every test here finishes in seconds)."""
+    faulthandler.dump_traceback_later(120, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")

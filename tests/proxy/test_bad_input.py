@@ -13,7 +13,7 @@ GOOD_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "
 
 
 async def send(url, path, data: bytes, headers=None):
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         async with s.post(url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
             return r.status, await r.read()
 
@@ -69,7 +69,7 @@ async def test_body_over_the_size_limit_is_413(fresh, proxy_factory):
     big = json.dumps({"model": "tiny", "prompt": "x" * 20_000}).encode()
     got, raw = await send(px.url, "/v1/completions", big)
     assert got == 413 and shape(raw)["code"] == "body_too_large"
-    async with aiohttp.ClientSession() as s:             # chunked upload, no Content-Length
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:             # chunked upload, no Content-Length
         async def gen():
             for _ in range(20):
                 yield b"x" * 1000
@@ -80,7 +80,7 @@ async def test_body_over_the_size_limit_is_413(fresh, proxy_factory):
 
 
 async def test_unknown_route_and_wrong_method_are_openai_shaped(pd):
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         async with s.get(pd.url + "/v1/nope") as r:
             assert r.status == 404 and shape(await r.read())["code"] == "not_found"
         async with s.get(pd.url + "/v1/chat/completions") as r:
@@ -94,7 +94,7 @@ async def test_malformed_http_is_a_400_not_a_crash(pd):
     data = await asyncio.wait_for(r.read(), 3)
     assert data.startswith(b"HTTP/1.1 400")
     w.close()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         async with s.get(pd.url + "/health") as resp:
             assert resp.status == 200
 
@@ -109,8 +109,24 @@ async def test_api_key_guards_the_api_but_not_health(fresh, proxy_factory):
     assert got == 401
     got, _ = await send(px.url, "/v1/chat/completions", body, {"Authorization": "Bearer s3cret"})
     assert got == 200
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         async with s.get(px.url + "/health") as r:
             assert r.status == 200
         async with s.get(px.url + "/v1/models") as r:
             assert r.status == 401
+
+
+async def test_public_status_is_off_by_default_and_needs_the_key(fresh, proxy_factory):
+    base = make_cfg([fresh["p0"].url], [fresh["d0"].url])
+    px = await proxy_factory(replace(base, api_key="s3cret"))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
+        async with s.get(px.url + "/pdctl/status", headers={"Authorization": "Bearer s3cret"}) as r:
+            assert r.status == 404                      # off unless enabled
+    px = await proxy_factory(replace(base, api_key="s3cret", public_status=True))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
+        async with s.get(px.url + "/pdctl/status") as r:
+            assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
+        async with s.get(px.url + "/pdctl/status", headers={"Authorization": "Bearer s3cret"}) as r:
+            assert r.status == 200
+            st = await r.json()
+            assert {b["role"] for b in st["backends"]} >= {"prefill", "decode"}

@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
+
 from appliance.proxy.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 
 from .conftest import make_cfg
@@ -77,6 +79,6 @@ async def test_breaker_recovers_after_the_engine_does(fresh, proxy_factory):
     while d0.breaker.state != CLOSED and time.monotonic() - t0 < 3:
         await asyncio.sleep(0.05)
     assert d0.breaker.state == CLOSED and time.monotonic() - t0 < 1.0
-    async with __import__("aiohttp").ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         async with s.get(px.url + "/metrics") as r:
             assert 'pdctl_proxy_backend_state{backend="decode-0",role="decode"} 0.0' in await r.text()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -102,7 +103,7 @@ async def test_serve_plan_runs_the_plan(fresh):
     stop = asyncio.Event()
     task = asyncio.create_task(serve_plan(plan, stop))
     try:
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
             t0 = time.monotonic()
             while True:
                 try:
@@ -122,3 +123,45 @@ async def test_serve_plan_runs_the_plan(fresh):
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+def test_port_in_use_is_a_clear_error_not_a_traceback():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "appliance", "proxy", "--listen", f"127.0.0.1:{port}",
+                              "--internal", "127.0.0.1:0", "--decode", "http://127.0.0.1:1"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    assert "address already in use" in out.stderr.lower() and "Traceback" not in out.stderr
+
+
+def test_plan_mode_reads_the_api_key_file_from_the_settings(fresh, tmp_path):
+    port, internal = free_port(), free_port()
+    plan = make_plan([fresh["p0"].port], [fresh["d0"].port], port, internal, telemetry=False)
+    (tmp_path / "plan.json").write_text(json.dumps(plan.to_json()))
+    (tmp_path / "api.key").write_text("k3y\n")
+    (tmp_path / "pdctl.toml").write_text(f'schema_version = 1\n[proxy]\napi_key_file = "{tmp_path / "api.key"}"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", "proxy", "--config", str(tmp_path / "pdctl.toml")],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}/v1/models"
+        t0 = time.monotonic()
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                raise AssertionError("no key, yet 200")
+            except urllib.error.HTTPError as e:
+                assert e.code == 401
+                break
+            except urllib.error.URLError:
+                assert proc.poll() is None, proc.stderr.read().decode()[-800:]
+                assert time.monotonic() - t0 < 15
+                time.sleep(0.1)
+        req = urllib.request.Request(url, headers={"Authorization": "Bearer k3y"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "tiny"
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -14,7 +14,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 
 async def post(url, body, timeout=10, session_id=None):
     headers = {"X-Session-Id": session_id} if session_id else {}
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         async with s.post(url + "/v1/chat/completions", json=body, headers=headers,
                           timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             return r.status, await r.read()
@@ -99,10 +99,12 @@ async def test_crashed_engine_is_retried_elsewhere_and_breaker_opens(spawn, fres
     a, b = spawn(2)
     px = await proxy_factory(make_cfg([fresh["p0"].url], [a.url, b.url], canary_interval_s=60))
     a.mode("crash")
-    for i in range(6):
+    for i in range(40):                       # until affinity lands a session on the crashing engine
         status, raw = await post(px.url, CHAT, session_id=f"c{i}")
-        assert status == 200, raw
-    a.proc.wait(5)
+        assert status == 200, raw             # the crash is never visible to a client
+        if not a.alive() and i >= 3:
+            break
+    assert not a.alive()
     d0 = next(x for x in px.server.backends if x.url == a.url)
     t0 = time.monotonic()
     while d0.breaker.state == "closed" and time.monotonic() - t0 < 3:
@@ -156,7 +158,7 @@ async def test_client_disconnect_cancels_the_upstream_leg(fresh, proxy_factory):
     e = fresh
     e["d0"].mode("ok", token_delay_s=0.2)
     px = await proxy_factory(make_cfg([e["p0"].url], [e["d0"].url]))
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         r = await s.post(px.url + "/v1/chat/completions", json=dict(CHAT, max_tokens=50))
         await r.content.readany()                 # streaming has begun
         r.close()                                 # the client goes away
@@ -171,7 +173,7 @@ async def test_client_disconnect_during_prefill_cancels_it(fresh, proxy_factory)
     e = fresh
     e["p0"].mode("hang_gen")
     px = await proxy_factory(make_cfg([e["p0"].url], [e["d0"].url], canary_interval_s=60))
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         try:
             await s.post(px.url + "/v1/chat/completions", json=dict(CHAT, messages=[{"role": "user",
                                                                                        "content": "gone"}]),

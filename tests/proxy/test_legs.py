@@ -32,7 +32,7 @@ def test_decode_body_is_the_original_bytes_without_kv_params():
 
 
 async def _post(url, body, headers=None):
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         async with s.post(url, json=body, headers=headers or {}) as r:
             return r.status, await r.read(), r.headers
 
@@ -70,7 +70,7 @@ async def test_stream_is_relayed_byte_for_byte(pd, fresh):
 
 async def test_metrics_expose_the_proxy_families(pd):
     await _post(pd.url + "/v1/completions", {"model": "tiny", "prompt": "m", "max_tokens": 2, "stream": True})
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         async with s.get(pd.url + "/metrics") as r:
             text = await r.text()
     for name in ("pdctl_proxy_ttft_seconds_bucket", "pdctl_proxy_prefill_seconds_count",

@@ -126,7 +126,7 @@ async def test_skips_are_counted_by_reason_end_to_end(fresh, proxy_factory):
     px = await proxy_factory(make_cfg([e["p0"].url], [e["d0"].url], pd_min_prompt_tokens=50,
                                       canary_interval_s=60))
     long_prompt = "abcd" * 1280          # five whole chunks
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         for prompt in ("short one", long_prompt, long_prompt + " next turn"):
             async with s.post(px.url + "/v1/completions", json={"model": "tiny", "prompt": prompt,
                                                                 "max_tokens": 2}) as r:
@@ -148,7 +148,7 @@ async def test_decoder_choice_follows_scraped_engine_load(fresh, proxy_factory):
     t0 = time.monotonic()
     while d0.running < 40 and time.monotonic() - t0 < 3:
         await asyncio.sleep(0.05)
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         for i in range(8):
             async with s.post(px.url + "/v1/completions", json={"model": "tiny", "prompt": f"p{i}",
                                                                 "max_tokens": 2}) as r:
@@ -161,7 +161,7 @@ async def test_round_robin_policy_end_to_end(fresh, proxy_factory):
     e = fresh
     px = await proxy_factory(make_cfg([e["p0"].url, e["p1"].url], [e["d0"].url, e["d1"].url],
                                       policy="round-robin", pd_min_prompt_tokens=10**6, canary_interval_s=60))
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         for i in range(6):
             async with s.post(px.url + "/v1/completions", json={"model": "tiny", "prompt": f"rr{i}",
                                                                 "max_tokens": 2}) as r:

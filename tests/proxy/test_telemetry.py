@@ -74,7 +74,7 @@ async def test_decode_leg_waits_for_the_store(spawn, fresh, proxy_factory):
     px = await proxy_factory(cfg)
     pre.call("/_control", {"mode": "ok", "store_delay_s": 0.3,
                            "telemetry": px.internal + "/api/v1/telemetry"})
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         t0 = time.monotonic()
         async with s.post(px.url + "/v1/completions", json=BODY) as r:
             assert r.status == 200
@@ -96,20 +96,20 @@ async def test_store_wait_is_bounded_and_the_timeout_counted(spawn, fresh, proxy
                            + cfg.backends})
     px = await proxy_factory(cfg)
     pre.call("/_control", {"store_delay_s": 5.0, "telemetry": px.internal + "/api/v1/telemetry"})
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         t0 = time.monotonic()
         async with s.post(px.url + "/v1/completions", json=BODY) as r:
             assert r.status == 200
             assert (await r.read()).rstrip().endswith(b"[DONE]")
         assert time.monotonic() - t0 < 1.5
     assert px.server.status()["kv_wait"] == {"timeout": 1}
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         async with s.get(px.url + "/metrics") as r:
             assert 'pdctl_proxy_kv_store_wait_total{outcome="timeout"} 1.0' in await r.text()
 
 
 async def test_telemetry_endpoint_answers_like_the_seed(pd):
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         async with s.post(pd.internal + "/api/v1/telemetry", json={"event": "request_store_finished",
                                                                    "request_ids_set": ["cmpl-x-0-aa"]}) as r:
             assert r.status == 200
