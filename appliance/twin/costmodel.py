@@ -92,7 +92,7 @@ SETUPS = {  # name: (engine_mode, notify_source, prefix_cache, kv_load_s)
     "seed": ("eager", "seed-proxy", False, 0.0),
     # what ``pdctl plan`` runs on vLLM 0.26: CUDA graphs, pdctl proxy waiting on LMCache telemetry, APC on;
     # kv_load_s fitted to the real 2x H200 run (LMCache MP retrieve path, a software cost)
-    "pdctl": ("cudagraph", "pdctl-telemetry", True, 0.040),
+    "pdctl": ("cudagraph", "pdctl-telemetry", True, 0.0386),
 }
 
 
@@ -143,7 +143,7 @@ class CostParams:
 # Per-hardware fitted efficiencies (the A100 values are the CostParams defaults).
 HARDWARE_FITS: dict[str, dict] = {
     # fitted to the real 2x H200 run (benchmarks/twin_calibration.py --target h200 --fit)
-    "h200": {"mfu": 0.524},  # aggregated TTFT p50 at 1 req/s (a pure prefill of 1869 tokens after 6000)
+    "h200": {"mfu": 0.529},  # aggregated TTFT p50 at 1 req/s (a pure prefill of 1869 tokens after 6000)
 }
 
 
