@@ -66,6 +66,7 @@ class ProxyServer:
         self.metrics = ProxyMetrics()
         self.waiter = StoreWaiter()
         self.counts: Counter = Counter()
+        self.kv_up = True            # the KV server answered its last /healthcheck (watched when kv_url is set)
         self.backends = [Backend(s, Breaker(cfg.breaker_failures, cfg.breaker_open_s)) for s in cfg.backends]
         prefill = [b for b in self.backends if b.spec.role == "prefill"]
         decode = [b for b in self.backends if b.spec.role in ("decode", "both")]
@@ -215,7 +216,10 @@ class ProxyServer:
             "canary": {k: v for k, v in self.canary.items() if k not in ("at", "last_ok")},
             "inflight": c.get("inflight", 0),
             "backends": [b.status() for b in self.backends],
-            "requests": {k: v for k, v in c.items() if ":" in k and not k.startswith(("kv_wait:", "skip:"))},
+            "requests": {k: v for k, v in c.items() if ":" in k and not k.startswith(("kv_wait:", "skip:",
+                                                                                       "kv_server:"))},
+            "kv_server": {"watched": bool(self.cfg.kv_url), "up": self.kv_up,
+                          "outages_seen": c.get("kv_server:down", 0)},
             "pd_skipped": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("skip:")},
             "kv_wait": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("kv_wait:")},
             "retries": c.get("retries", 0),
@@ -245,6 +249,9 @@ class ProxyServer:
             self._count(kind, "client_error")
             return error_response(parsed, crid)
         models = self.known_models()
+        if not models:  # not fetched yet (just started): ask once, so validation never depends on timing
+            await asyncio.gather(*(self.watcher.models(b) for b in self.backends), return_exceptions=True)
+            models = self.known_models()
         if models and parsed.model not in models:
             self._count(kind, "client_error")
             return error_response(ProxyError(404, f"model {parsed.model[:200]!r} is not served here; served: "

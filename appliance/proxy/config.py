@@ -47,6 +47,8 @@ class ProxyConfig:
     max_attempts: int = 3                    # per leg, each on a different backend
     on_prefill_failure: str = "fail"         # "fail" (503, counted) | "decode" (D does the prefill, counted)
     public_status: bool = False              # GET /pdctl/status on the public port too (API key required)
+    kv_url: str = ""                         # the KV server's HTTP base URL: a restart empties its L1, so the
+    #                                          proxy forgets which prefixes it believed stored
     extra: dict = field(default_factory=dict)
 
     def role(self, role: str) -> list:
@@ -65,6 +67,6 @@ def from_plan(plan, **overrides) -> ProxyConfig:
     p = plan.proxy
     kw = dict(backends=tuple(specs), host=p.host, port=p.port, internal_port=p.internal_port, policy=p.policy,
               kv_wait_s=p.kv_wait_s, pd_min_prompt_tokens=p.pd_min_prompt_tokens,
-              public_status=getattr(p, "public_status", False))
+              public_status=getattr(p, "public_status", False), kv_url=plan.kv_server.http_url)
     kw.update(overrides)
     return ProxyConfig(**kw)

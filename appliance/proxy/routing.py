@@ -49,6 +49,10 @@ class PrefixIndex:
             out.append((end, h.digest()))
         return out
 
+    def clear(self) -> None:
+        """Forget everything (the KV server restarted: its L1 is empty)."""
+        self._seen.clear()
+
     def record(self, text: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for _, d in self.boundaries(text):

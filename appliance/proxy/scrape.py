@@ -43,6 +43,36 @@ class Watcher:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._probe_loop()), loop.create_task(self._scrape_loop())]
+        if self.s.cfg.kv_url:
+            self._tasks.append(loop.create_task(self._kv_loop()))
+
+    async def _kv_loop(self) -> None:
+        """Watch the KV server: when it is down (restarting) its L1 is gone, so every prefix the proxy believed
+        stored is forgotten (else the P leg would be skipped for prefixes the decoders can no longer load)."""
+        from urllib.parse import urlsplit
+        from .upstream import Pool
+        u = urlsplit(self.s.cfg.kv_url)
+        pool = Pool(u.hostname or "127.0.0.1", u.port or 80, self.s.cfg.connect_timeout_s)
+        was_up = True
+        try:
+            while True:
+                try:
+                    conn = await pool.request("GET", "/healthcheck", b"", None, self.s.cfg.probe_timeout_s)
+                    try:
+                        up = conn.status == 200
+                        await conn.read_all(self.s.cfg.probe_timeout_s, limit=65536)
+                    finally:
+                        conn.release()
+                except UpstreamError:
+                    up = False
+                if not up and was_up:
+                    self.s.prefix.clear()
+                    self.s.counts["kv_server:down"] += 1
+                self.s.kv_up = up
+                was_up = up
+                await asyncio.sleep(self.s.cfg.probe_interval_s)
+        finally:
+            pool.close()
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -180,3 +180,45 @@ async def test_round_robin_policy_end_to_end(fresh, proxy_factory):
                 assert r.status == 200
     n = {k: len([x for x in e[k].log() if x["body"]["prompt"].startswith("rr")]) for k in ("p0", "p1", "d0", "d1")}
     assert n == {"p0": 3, "p1": 3, "d0": 3, "d1": 3}
+
+
+async def test_prefix_index_forgotten_when_the_kv_server_goes_down(fresh, proxy_factory):
+    """A KV server restart empties its L1: the proxy must stop skipping the P leg for prefixes it stored before."""
+    from aiohttp import web
+    up = {"ok": True}
+
+    async def health(_req):
+        return web.Response(status=200 if up["ok"] else 503, text="{}")
+    app = web.Application()
+    app.router.add_get("/healthcheck", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    kv_port = site._server.sockets[0].getsockname()[1]
+    e = fresh
+    px = await proxy_factory(make_cfg([e["p0"].url], [e["d0"].url], pd_min_prompt_tokens=50, canary_interval_s=60,
+                                      kv_url=f"http://127.0.0.1:{kv_port}", probe_interval_s=0.1))
+    long_prompt = "wxyz" * 1280
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
+            async def send(prompt):
+                async with s.post(px.url + "/v1/completions", json={"model": "tiny", "prompt": prompt,
+                                                                    "max_tokens": 2}) as r:
+                    assert r.status == 200
+            await send(long_prompt)
+            await send(long_prompt + " again")            # prefix stored: P leg skipped
+            assert px.server.status()["pd_skipped"].get("prefix_cached") == 1
+            up["ok"] = False                              # the KV server goes down (restart)
+            t0 = time.monotonic()
+            while px.server.kv_up:
+                assert time.monotonic() - t0 < 5
+                await asyncio.sleep(0.05)
+            up["ok"] = True
+            await send(long_prompt + " after the restart")  # must take the P leg again
+        st = px.server.status()
+        assert st["pd_skipped"].get("prefix_cached") == 1 and st["kv_server"]["outages_seen"] == 1
+        prompts = [x["body"]["prompt"] for x in e["p0"].log()]
+        assert prompts.count(long_prompt + " after the restart") == 1
+    finally:
+        await runner.cleanup()
