@@ -106,7 +106,8 @@ def register(subparsers) -> None:
     p.add_argument("--gpus", default="fake:4xH200", help="fake inventory to simulate (default %(default)s)")
     p.add_argument("--model", default="deepseek-v2-lite")
     p.add_argument("--rate", type=float, default=2.0, help="requests per second (default %(default)s)")
-    p.add_argument("--no-tui", action="store_true", help="print the proxy URL first and run until SIGINT/SIGTERM")
+    p.add_argument("--no-tui", action="store_true", help="print the proxy URL first (then the plan path) and run "
+                                                         "until SIGINT/SIGTERM")
     p.add_argument("--time-scale", type=float, default=1.0, help="twin clock: wall seconds per model second (0.25 = 4x faster)")
     p.add_argument("--refresh", type=float, default=1.0)
     p.set_defaults(func=cmd_demo)
@@ -134,6 +135,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         traffic.start()
         if args.no_tui:
             print(f"proxy: {stack.proxy_url}", flush=True)
+            print(f"plan: {stack.workdir / 'plan.json'}", flush=True)
             while not stop.wait(1.0):
                 pass
             return 0

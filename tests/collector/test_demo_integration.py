@@ -1,0 +1,88 @@
+"""`pdctl demo --no-tui` as a user runs it, plus the collector: after 200 requests the KV hit rate read from
+the KV server's metrics matches what the engines (connector hits) and the proxy (scraped per backend) count."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from appliance.collector import Collector
+from appliance.collector.gpus import NoGpus
+from appliance.collector.units import NoUnits
+from appliance.config import load_plan
+from appliance.inventory import is_na
+
+REPO = Path(__file__).resolve().parents[2]
+SYSTEM = "You are a support assistant for a GPU cloud; answer briefly and cite the runbook. " * 40
+
+
+def _post(url: str, body: dict) -> int:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        r.read()
+        return r.status
+
+
+@pytest.fixture
+def demo():
+    p = subprocess.Popen([sys.executable, "-m", "appliance", "demo", "--no-tui", "--rate", "0.5",
+                          "--gpus", "fake:2xH200", "--time-scale", "0.05"], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        first = p.stdout.readline().strip()
+        second = p.stdout.readline().strip()
+        assert first.startswith("proxy: http://127.0.0.1:"), (first, p.stderr.read() if p.poll() is not None else "")
+        assert second.startswith("plan: ")
+        yield first.split(" ", 1)[1], Path(second.split(" ", 1)[1])
+    finally:
+        os.killpg(p.pid, signal.SIGINT)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    assert p.returncode == 0, p.stderr.read()[-2000:]
+
+
+def test_demo_hit_rate_agrees_across_kv_server_engines_and_proxy(demo):
+    url, plan_path = demo
+    plan = load_plan(plan_path)
+    col = Collector(plan, gpu_sampler=NoGpus("not needed here"), units=NoUnits("pdctl demo"), interval=1.0,
+                    window_s=3600)
+    try:
+        col.tick()
+        status = json.loads(urllib.request.urlopen(
+            f"http://127.0.0.1:{plan.proxy.internal_port}/pdctl/status", timeout=5).read())
+        before = {b["name"]: (b.get("external_prefix_hits") or 0, b.get("external_prefix_queries") or 0)
+                  for b in status["backends"]}
+        t0 = time.monotonic()
+        for i in range(200):
+            assert _post(url + "/v1/chat/completions", {
+                "model": plan.served_model_name, "max_tokens": 4,
+                "messages": [{"role": "system", "content": SYSTEM},
+                             {"role": "user", "content": f"question {i}: " + "why " * 30}]}) == 200
+        elapsed = time.monotonic() - t0
+        time.sleep(2.5)   # one more scrape interval for the proxy's per-backend counters
+        snap = col.tick()
+    finally:
+        col.close()
+    kv = snap.kv_layers.kv_server
+    conn = snap.kv_layers.connector
+    assert not is_na(kv) and not is_na(conn), (kv, conn)
+    status = json.loads(urllib.request.urlopen(
+        f"http://127.0.0.1:{plan.proxy.internal_port}/pdctl/status", timeout=5).read())
+    hits = sum((b.get("external_prefix_hits") or 0) - before.get(b["name"], (0, 0))[0] for b in status["backends"])
+    queries = sum((b.get("external_prefix_queries") or 0) - before.get(b["name"], (0, 0))[1]
+                  for b in status["backends"])
+    proxy_rate = hits / queries
+    print(f"200 requests in {elapsed:.1f} s: KV server {kv:.3f}, engines (connector) {conn:.3f}, "
+          f"proxy-scraped {proxy_rate:.3f}")
+    assert kv > 0.5, "the shared system prompt should hit"
+    assert abs(kv - conn) <= 0.05 * kv and abs(kv - proxy_rate) <= 0.05 * kv
