@@ -22,7 +22,8 @@ def vllm_plan(gpus="fake:3xA100-80GB", **ov):
 
 
 def all_docs(built, ns="default"):
-    return built["lmcache-node.yaml"] + built["pd-deployments.yaml"] + values_as_pods(built["values-modelservice.yaml"], ns)
+    return (built["lmcache-node.yaml"] + built["pd-deployments.yaml"]
+            + values_as_pods(built["values-modelservice.yaml"], ns))
 
 
 def _arg(args, name):
@@ -101,3 +102,21 @@ def test_cli_writes_yaml_that_reads_back(tmp_path, capsys):
     pf.write_text('{"mode": "x"}')
     assert main(["export", "llm-d", "--plan", str(pf), "--out", str(out)]) == 2
     assert "not a pdctl plan" in capsys.readouterr().err
+
+
+def test_yaml_writer_round_trips_any_json_shape():
+    """Every exported byte goes through the small YAML writer: it must read back exactly (PyYAML reads it)."""
+    from hypothesis import given, settings, strategies as st
+
+    from appliance.fleet.yamlout import dump, dump_all
+    scalars = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=12)
+    keys = st.text(min_size=1, max_size=8) | st.sampled_from(["llm-d.ai/role", "yes", "null", "a b", "0x1"])
+    tree = st.recursive(scalars, lambda ch: st.lists(ch, max_size=4) | st.dictionaries(keys, ch, max_size=4),
+                        max_leaves=20)
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.dictionaries(keys, tree, max_size=5))
+    def check(doc):
+        assert yaml.safe_load(dump(doc)) == doc
+        assert list(yaml.safe_load_all(dump_all([doc, doc]))) == [doc, doc]
+    check()

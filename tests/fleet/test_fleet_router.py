@@ -3,6 +3,7 @@ and `pdctl fleet status` reading both boxes and the router over HTTP."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,6 +70,20 @@ def test_router_routes_around_a_dead_box_and_status_sees_both(box, tmp_path, cap
         assert b_live["requests_ok"] >= 8 and b_live["router_requests"] >= 8
         assert b_dead["health"].startswith("down") and b_dead["router_health"] == "unhealthy"
 
+        # cache_aware needs the box to answer /tokenize for text prompts; the router says when it could not
+        from appliance.fleet.status import tokenize_support
+        tok = tokenize_support(live)
+        decisions = {dict(k[1]).get("outcome"): v for k, v in metrics(fleet.router.metrics_url).items()
+                     if k[0].startswith(C.ROUTER_PREFIX_DECISIONS.removesuffix("_total"))}
+        assert tok in ("yes", "no"), tok
+        if tok == "no":
+            assert decisions.get("missing_tokens", 0) >= 8, decisions
+            assert view["prefix_decisions"]["missing_tokens"] >= 8
+        else:
+            assert decisions.get("missing_tokens", 0) == 0, decisions
+        assert main(["fleet", "status", "--fleet", str(ff)]) == 1
+        assert ("routed by load only" in capsys.readouterr().out) == (tok == "no")
+
         # without the status port the box's public port answers 404 for /pdctl/status: shown as "off", not a crash
         public_only = make_fleet_plan([Node("127.0.0.1", box.plan.proxy.port, name="live")],
                                       listen=fleet.router.host + f":{fleet.router.port}",
@@ -80,3 +95,43 @@ def test_router_routes_around_a_dead_box_and_status_sees_both(box, tmp_path, cap
     finally:
         stop(proc)
     assert proc.poll() is not None
+
+
+def test_router_passes_the_box_api_key_through(box, tmp_path, capsys):
+    """Boxes enforce their API key; the router forwards the client's Authorization header unchanged."""
+    key = tmp_path / "key"
+    key.write_text("fleet-secret\n")
+    port = free_port()
+    legs = [a for w in box.plan.workers if w.role in ("prefill", "decode") for a in (f"--{w.role}", w.url())]
+    log = tmp_path / "keyed-proxy.log"
+    with open(log, "wb") as fh:
+        keyed = subprocess.Popen([sys.executable, "-m", "appliance", "proxy", "--listen", f"127.0.0.1:{port}",
+                                  "--internal", "127.0.0.1:0", *legs,
+                                  "--api-key-file", str(key)], stdout=fh, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    router = None
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ready", 60, keyed, log)
+        fleet = make_fleet_plan([Node("127.0.0.1", port, name="keyed")], listen=f"127.0.0.1:{free_port()}",
+                                metrics=f"127.0.0.1:{free_port()}")
+        ff = write_json(tmp_path / "fleet.json", fleet.to_json())
+        router = start_router(ff, tmp_path / "router.log")
+        wait_http(fleet.router.url + "/list_workers", 30, router, tmp_path / "router.log")
+        body = {"model": box.plan.served_model_name, "prompt": "keyed hello", "max_tokens": 4}
+        with httpx.Client(timeout=30) as c:
+            denied = c.post(fleet.router.url + "/v1/completions", json=body)
+            wrong = c.post(fleet.router.url + "/v1/completions", json=body,
+                           headers={"Authorization": "Bearer nope"})
+            ok = c.post(fleet.router.url + "/v1/completions", json=body,
+                        headers={"Authorization": "Bearer fleet-secret"})
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        assert wrong.status_code == 401
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+        m = metrics(fleet.router.metrics_url)
+        assert per_worker(m, C.ROUTER_CB_STATE) == {fleet.nodes[0].url: 0}   # 401s do not open the box's breaker
+        assert main(["fleet", "status", "--fleet", str(ff), "--api-key-file", str(key)]) == 0
+        assert "keyed" in capsys.readouterr().out
+    finally:
+        if router is not None:
+            stop(router)
+        stop(keyed)

@@ -85,6 +85,12 @@ def test_bad_inputs_exit_2_with_the_fix(tmp_path, capsys):
     assert main(["fleet", "plan", "--node", "10.0.0.1", "--out", str(good)]) == 0
     assert main(["fleet", "run", "--fleet", str(good), "--router-bin", str(tmp_path / "nope")]) == 2
     assert "not found" in capsys.readouterr().err
+    hollow = tmp_path / "hollow.json"
+    hollow.write_text(json.dumps({**json.loads(good.read_text()), "nodes": []}))
+    assert main(["fleet", "run", "--fleet", str(hollow)]) == 2
+    assert "empty" in capsys.readouterr().err
+    assert main(["fleet", "plan", "--node", "10.0.0.1", "--out", str(tmp_path / "no" / "dir" / "f.json")]) == 1
+    assert "check the path" in capsys.readouterr().err
 
 
 def test_ensure_router_reports_installed_version():

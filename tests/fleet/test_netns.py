@@ -184,7 +184,7 @@ def test_two_boxes_prefix_affinity_and_failover(tmp_path):
             for policy in ("cache_aware", "consistent_hash"):
                 for p in results[policy]["per_prefix_requests"]:
                     assert max(p.values()) == sum(p.values()) == 4, results[policy]   # every prefix on one box
-                for k, b in results[policy]["boxes"].items():
+                for b in results[policy]["boxes"].values():
                     if b["requested_tokens"]:
                         assert b["hit_rate"] > 0.6, results
                 assert results[policy]["fleet_hit_rate"] > results["round_robin"]["fleet_hit_rate"] + 0.1, results

@@ -19,6 +19,7 @@ from .stack import (CHUNK, EXT_HITS, EXT_QUERIES, LMC_HITS, LMC_WRITES, complete
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
+
 @pytest.fixture()
 def http():
     with httpx.Client(timeout=60.0) as c:
