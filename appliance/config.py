@@ -6,7 +6,9 @@ the single description of every key: ``etc/pdctl.toml`` is generated from it (``
 """
 from __future__ import annotations
 
+import ipaddress
 import json
+import math
 import os
 import re
 import tempfile
@@ -24,6 +26,7 @@ from . import constants as C
 
 SCHEMA_VERSION = 1
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/+@-]*$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class ConfigError(ValueError):
@@ -43,7 +46,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "gpus": Key(str, "nvml", "GPU inventory: nvml (real GPUs), fake:4xH200, twin:4xH200, none, or a JSON file "
                                  "written by `pdctl detect --json`"),
         "model": Key(str, "deepseek-v2-lite", "registry name (pdctl plan --list-models) or a local model "
-                                              "directory with config.json"),
+                                              "directory with config.json", "model"),
         "engine": Key(str, "vllm", "vllm (GPU), vllm-cpu (CPU engines, small models) or twin (simulated)", "engine"),
         "engine_version": Key(str, "", "engine version from the flag table ('' = the tested default)"),
         "venv": Key(str, str(C.VENV_DIR), "virtual environment holding pdctl", "path"),
@@ -83,7 +86,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "decode_base": Key(int, C.DECODE_PORT_BASE, "decode-N listens on base + N (loopback)", "port"),
     },
     "proxy": {
-        "host": Key(str, "0.0.0.0", "address the public port binds (127.0.0.1 to keep it local)"),
+        "host": Key(str, "0.0.0.0", "address the public port binds (127.0.0.1 to keep it local)", "host"),
         "policy": Key(str, "pdctl", "routing: pdctl (load- and cache-aware) or round-robin (the seed's)", "policy"),
         "kv_wait_s": Key(float, 2.0, "bounded wait for LMCache's request_store_finished before the decode leg "
                                      "(0 = do not wait)", "nonnegf"),
@@ -128,15 +131,30 @@ def _err(path: Path | str, key: str, msg: str) -> ConfigError:
 
 def _check(path: Path | str, dotted: str, spec: Key, value: Any) -> Any:
     t = spec.type
+    c = spec.check
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if (isinstance(value, bool) and t is not bool) or not isinstance(value, t):
         raise _err(path, dotted, f"expected {t.__name__}, got {type(value).__name__} {value!r}")
+    if t is float and not math.isfinite(value):
+        raise _err(path, dotted, f"must be a finite number, got {value!r}")
+    for item in (value if t is list else [value]):
+        if isinstance(item, str) and _CONTROL.search(item):
+            raise _err(path, dotted, f"{item!r} contains a control character (newline, tab, ...); values end up in "
+                                     "unit files and argv, so they must be one plain line")
+    if c == "host":
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise _err(path, dotted, f"{value!r} is not an IP address (e.g. 0.0.0.0 for all interfaces, "
+                                     "127.0.0.1 to keep the proxy local)") from None
+    if c == "model" and value.startswith(("/", ".")) and not Path(value).is_dir():
+        raise _err(path, dotted, f"model directory {value!r} does not exist (give a registry name, e.g. "
+                                 "deepseek-v2-lite, or an existing directory with config.json)")
     if dotted.endswith("gpu_indices") and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise _err(path, dotted, f"expected a list of GPU indices (integers), got {value!r}")
     if dotted.endswith("extra_engine_args") and not all(isinstance(v, str) for v in value):
         raise _err(path, dotted, f"expected a list of strings (argv items), got {value!r}")
-    c = spec.check
     if c == "port" and not 1 <= value <= 65535:
         raise _err(path, dotted, f"port {value} out of range 1..65535")
     if c in ("pos",) and value <= 0:

@@ -39,6 +39,8 @@ def env_file(env: dict) -> str:
 def _fill(template: str, values: dict) -> str:
     out = template
     for k, v in values.items():
+        if k != "HARDENING" and any(ch in v for ch in "\n\r\x00"):
+            raise ValueError(f"unit value {k}={v!r} spans lines: refusing to render a unit from it")
         out = out.replace(f"@@{k}@@", v)
     if "@@" in out:
         start = out.index("@@")

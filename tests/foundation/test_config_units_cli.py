@@ -62,7 +62,7 @@ def test_bad_config_cli_exit_2_writes_nothing(tmp_path):
     r = pdctl("plan", "--config", str(p), "--gpus", "fake:2xH200")
     assert r.returncode == 2 and "ports.kv_zmq: expected int" in r.stderr and str(p) in r.stderr
     r = pdctl("install", "--root", str(root), "--dry-run", "--gpus", "fake:2xH200", "--model", "/no/such/model")
-    assert r.returncode == 2 and "unknown model '/no/such/model'" in r.stderr
+    assert r.returncode == 2 and "install.model" in r.stderr and "'/no/such/model' does not exist" in r.stderr
     assert not root.exists()
 
 
@@ -209,3 +209,16 @@ def test_plan_what_if_picks_the_seed_split():
     assert "* recommended: 1P2D" in r.stderr and "chosen by the twin's what-if" in plan["reasons"][-1]
     r = pdctl("plan", "--what-if", "--prefill", "1", "--gpus", "fake:3xA100-80GB", "--config", "/nonexist.toml")
     assert r.returncode == 2 and "drop --prefill/--decode" in r.stderr
+
+
+def test_renderer_refuses_multiline_values():
+    """Defense in depth behind the settings validation: no value can end a unit line and add a directive."""
+    from dataclasses import replace
+    from appliance import units as U
+    from appliance.inventory import detect as d
+    from appliance.models import resolve
+    from appliance.planner import make_plan
+    plan = make_plan(d("fake:2xH200"), resolve("deepseek-v2-lite"))
+    bad = replace(plan, served_model_name="m\nExecStartPre=+/bin/sh -c id")
+    with pytest.raises(ValueError, match="spans lines"):
+        U.render(bad, "x")

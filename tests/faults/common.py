@@ -1,0 +1,152 @@
+"""Shared helpers of the fault/security suite: one installed appliance (twin, --simulate) per package run.
+
+The install itself reuses the lead's wheelhouse builder (tests/install): the container has no network.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tests.install.test_install_systemd import WHEELHOUSE, build_wheelhouse  # noqa: F401 (re-exported)
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_PY = sys.executable
+LOADCLIENT = str(REPO / "tests" / "faults" / "loadclient.py")
+PDCTL = "/usr/local/bin/pdctl"
+GPUS = "fake:4xH200"
+COMFORTABLE_RPS = 4.0     # what the twin stack (1P3D) serves on a 2-core CI box with p50 flat (measured: 12 rps ok)
+LOAD_RPS = 2 * COMFORTABLE_RPS
+
+
+def install(box, *args, timeout=600, env=None):
+    e = {"INSTALL_PDCTL_WHEELHOUSE": str(WHEELHOUSE)}
+    e.update(env or {})
+    return box.run(["bash", str(REPO / "install.sh"), *args], timeout=timeout, env=e)
+
+
+def plan(box) -> dict:
+    return json.loads(box.read("/etc/pdctl/plan.json"))
+
+
+def worker(box, instance: str) -> dict:
+    return next(w for w in plan(box)["workers"] if w["instance"] == instance)
+
+
+def unit_of(instance: str) -> str:
+    return f"pd-worker@{instance}.service"
+
+
+def main_pid(box, unit: str) -> int:
+    return int(box.show(unit, "MainPID")["MainPID"])
+
+
+def engine_pid(box, unit: str) -> int:
+    """The engine under the launcher (the unit's MainPID's child); the MainPID when it has no child."""
+    mp = main_pid(box, unit)
+    r = box.run(["ps", "-o", "pid=", "--ppid", str(mp)])
+    kids = [int(x) for x in r.stdout.split()]
+    return kids[0] if kids else mp
+
+
+def restarts(box, unit: str) -> int:
+    return int(box.show(unit, "NRestarts")["NRestarts"])
+
+
+def curl(box, url: str, *extra: str, timeout: float = 10) -> tuple:
+    """(http status, body) from inside the container; status 0 when nothing answered."""
+    r = box.run(["curl", "-s", "-m", "3", "-o", "/dev/stdout", "-w", "\n%{http_code}", *extra, url], timeout=timeout)
+    body, _, code = r.stdout.rpartition("\n")
+    return int(code or 0), body
+
+
+def proxy_status(box) -> dict | None:
+    code, body = curl(box, "http://127.0.0.1:9001/pdctl/status")
+    if code != 200:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def backend(box, instance: str) -> dict | None:
+    """The proxy's view of one backend (breaker state, opened_by, last_error, ...)."""
+    st = proxy_status(box)
+    if not st:
+        return None
+    port = str(worker(box, instance)["port"])
+    for b in st.get("backends", []):
+        if b.get("name") == instance or str(b.get("url", "")).endswith(":" + port):
+            return b
+    return None
+
+
+def backend_state(box, instance: str) -> str | None:
+    b = backend(box, instance)
+    return b.get("state") if b else None
+
+
+def set_fault(box, instance: str, mode: str, arg=None) -> None:
+    port = worker(box, instance)["port"]
+    body = json.dumps({"mode": mode, **({"arg": arg} if arg is not None else {})})
+    code, text = curl(box, f"http://127.0.0.1:{port}/twin/fault", "-X", "POST", "-H",
+                      "Content-Type: application/json", "-d", body)
+    assert code == 200, f"fault {mode} on {instance}: HTTP {code} {text[:300]}"
+
+
+def pdctl_status(box) -> dict | None:
+    r = box.run([PDCTL, "status", "--json"], timeout=30)
+    try:
+        return json.loads(r.stdout)
+    except ValueError:
+        return None
+
+
+def kv_counters(box) -> tuple:
+    """(lookup requested tokens, lookup hit tokens) from the KV server's /metrics; (0, 0) when down."""
+    code, text = curl(box, "http://127.0.0.1:6080/metrics")
+    req = hit = 0.0
+    if code == 200:
+        for ln in text.splitlines():
+            if ln.startswith("lmcache_mp_lookup_requested_tokens_total"):
+                req = float(ln.split()[-1])
+            elif ln.startswith("lmcache_mp_lookup_hit_tokens_total"):
+                hit = float(ln.split()[-1])
+    return req, hit
+
+
+class Load:
+    """The load client running inside the container, in a thread of ours; ``result()`` joins it."""
+
+    def __init__(self, box, model: str, rps: float, seconds: float, key: str = "", prompts: str = "unique"):
+        self.out: dict = {}
+        args = [VENV_PY, LOADCLIENT, "http://127.0.0.1:9000", model, str(rps), str(seconds),
+                "http://127.0.0.1:9001/pdctl/status", key, prompts]
+
+        def go():
+            r = box.run(args, timeout=seconds + 90)
+            try:
+                self.out = json.loads(r.stdout.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                self.out = {"crashed": r.stderr[-2000:]}
+
+        self.t = threading.Thread(target=go, daemon=True)
+        self.t.start()
+
+    def result(self) -> dict:
+        self.t.join()
+        return self.out
+
+
+def wait_until(pred, timeout: float, interval: float = 0.2):
+    """First truthy ``pred()`` value, or None after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    return None

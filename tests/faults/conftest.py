@@ -1,0 +1,32 @@
+"""One installed appliance (``install.sh --simulate --gpus fake:4xH200``) for the whole fault/security suite."""
+from __future__ import annotations
+
+import pytest
+
+from tests.harness.fixture import skip_unless_available
+from tests.harness.nspawn import HarnessUnavailable, default_binds, down, up
+
+from .common import GPUS, REPO, build_wheelhouse, install
+
+
+@pytest.fixture(scope="package")
+def bare_box():
+    """A booted container with nothing installed (shared: tests that need a clean machine run first)."""
+    skip_unless_available()
+    build_wheelhouse()
+    try:
+        box = up(binds=default_binds(REPO))
+    except HarnessUnavailable as exc:
+        pytest.skip(f"systemd harness unavailable: {exc}")
+    try:
+        yield box
+    finally:
+        down(box)
+
+
+@pytest.fixture(scope="package")
+def installed(bare_box):
+    """The same container after a simulated install that reached ready."""
+    r = install(bare_box, "--simulate", "--gpus", GPUS, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return bare_box
