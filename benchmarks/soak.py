@@ -119,7 +119,9 @@ def soak(seconds: float, rate: float, every: float, gpus: str, warmup_s: float |
          window_s: float | None = None, out=print) -> dict:
     import subprocess
     from appliance.stack import start_twin_stack
-    warmup_s = warmup_s if warmup_s is not None else min(60.0, seconds / 6)
+    # warm-up covers the collector's history (120 ticks at 1 Hz, kept by design for the TUI's sparklines):
+    # until those deques are full its memory grows by construction, which is not a leak
+    warmup_s = warmup_s if warmup_s is not None else min(150.0, seconds / 4)
     window_s = window_s if window_s is not None else min(60.0, seconds / 6)
     st = start_twin_stack(gpus)
     coll = None

@@ -27,13 +27,40 @@ def _plan(config: Path) -> Any:
     return load_plan(config)
 
 
+def _fleet_view(args: argparse.Namespace):
+    """On a fleet front node (a fleet plan next to the settings): every box, read over HTTP with the API key."""
+    fleet_file = Path(args.config).parent / C.FLEET_PLAN.name
+    if not fleet_file.exists():
+        return None
+    from appliance.fleet.install import load_fleet
+    from appliance.fleet.status import collect
+    key = None
+    key_file = _settings_value(args.config, "proxy", "api_key_file")
+    if key_file:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError:
+            key = None
+    return collect(load_fleet(fleet_file), api_key=key, timeout=max(args.timeout, 1.0))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from appliance.collector import collect_once
     from appliance.status import render_json, render_text
+    fleet = _fleet_view(args)
+    has_plan = Path(args.config).with_name("plan.json").exists() or Path(args.config).suffix == ".json"
+    if fleet is not None and not has_plan:     # a pure front node: only the fleet
+        from appliance.fleet.status import render_text as fleet_text
+        import json as _json
+        sys.stdout.write(_json.dumps(fleet.to_json(), indent=2) + "\n" if args.json else fleet_text(fleet))
+        return EXIT_OK if all(b.ready == "ready" for b in fleet.boxes) else EXIT_FAIL
     plan = _plan(args.config)
     slo = _settings_value(args.config, "workload", "ttft_slo_s")
     snap = collect_once(plan, settle_s=max(0.0, args.window), slo_ttft_s=slo, timeout_s=args.timeout)
     sys.stdout.write(render_json(snap) + "\n" if args.json else render_text(snap))
+    if fleet is not None and not args.json:
+        from appliance.fleet.status import render_text as fleet_text
+        sys.stdout.write("\nfleet:\n" + fleet_text(fleet))
     return EXIT_OK if snap.overall == "ready" else EXIT_FAIL
 
 
