@@ -8,6 +8,7 @@ nothing; `systemctl stop` ends it.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,30 +22,34 @@ pytestmark = pytest.mark.systemd
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-SITE = next(Path(sys.prefix).glob("lib/python3*/site-packages"))
 VENV = "/opt/pdctl"           # inside the container only (its overlay); like install.sh's venv
 PDCTL = f"{VENV}/bin/pdctl"
 
 
-def _container_venv(box) -> None:
-    """A venv on the system Python, seeing this checkout and the test venv's packages.
+def _router_wheelhouse() -> Path:
+    """vllm-router and what it needs, as wheels built on the host (the container has no network)."""
+    wh = REPO / ".cache" / "wheelhouse-fleet"
+    stamp = wh / ".stamp"
+    if not (stamp.exists() and stamp.read_text() == C.ROUTER_VERSION):
+        wh.mkdir(parents=True, exist_ok=True)
+        subprocess.run([PY, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "-w", str(wh),
+                        f"{C.ROUTER_PACKAGE}=={C.ROUTER_VERSION}"], check=True, timeout=900)
+        stamp.write_text(C.ROUTER_VERSION)
+    return wh
 
-    The test venv's interpreter may live under /root, which ProtectHome=yes hides from the unit (as it
-    should); a real install's /opt/pdctl uses the system Python, so the container gets one like it.
-    """
+
+def _container_venv(box) -> None:
+    """A real /opt/pdctl in the container, as install.sh makes it: the system Python, pdctl and the pinned router
+    installed from wheels. Nothing points back into the checkout, which a unit with PrivateTmp=/ProtectHome=
+    may not see (CI may clone it under /tmp)."""
+    from tests.install.test_install_systemd import build_wheelhouse
     if not Path("/usr/bin/python3").exists():
         pytest.skip("no /usr/bin/python3 for a system-Python venv")
-    ver = box.run(["/usr/bin/python3", "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"])
-    if f"python{ver.stdout.strip()}" != SITE.parent.name:
-        pytest.skip(f"system Python {ver.stdout.strip()} differs from the test venv's {SITE.parent.name}")
-    box.sh(f"""
-/usr/bin/python3 -m venv --without-pip {VENV}
-printf '%s\n%s\n' {REPO} {SITE} > {VENV}/lib/{SITE.parent.name}/site-packages/pdctl-test.pth
-for tool in pdctl vllm-router; do
-  sed "1s|.*|#!{VENV}/bin/python|" {Path(sys.executable).parent}/$tool > {VENV}/bin/$tool
-  chmod 755 {VENV}/bin/$tool
-done
-""", check=True)
+    wh, whf = build_wheelhouse(), _router_wheelhouse()
+    r = box.run(["bash", "-c", f"set -e; /usr/bin/python3 -m venv {VENV}; {VENV}/bin/python -m pip install -q "
+                 f"--disable-pip-version-check --no-index --find-links {wh} --find-links {whf} {REPO} "
+                 f"{C.ROUTER_PACKAGE}=={C.ROUTER_VERSION}"], timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
 
 def test_fleet_install_runs_the_router_under_systemd(systemd_box):  # noqa: F811
@@ -52,7 +57,7 @@ def test_fleet_install_runs_the_router_under_systemd(systemd_box):  # noqa: F811
     if not (Path(sys.executable).parent / "vllm-router").exists():
         pytest.skip(f"{C.ROUTER_PACKAGE} not installed in the test venv")
     _container_venv(box)
-    env = {"PYTHONPATH": str(REPO)}
+    env: dict = {}   # the installed /opt/pdctl, not the checkout
     box.run(["systemd-run", "--unit", "pdtest-box", "-p", f"WorkingDirectory={REPO}",
              "--setenv", f"PYTHONPATH={REPO}", PY, str(REPO / "tests/fleet/box_runner.py"), "run",
              "/run/pdtest-box", "fake:3xA100-80GB", "0.5"], check=True)
