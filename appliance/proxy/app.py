@@ -34,6 +34,7 @@ _SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
 CANARY_PROMPT = "pdctl readiness canary: " + " ".join(f"probe{i % 97} check" for i in range(200))
+CANARY_SHORT = "pdctl readiness canary"
 
 
 def _json(obj, status: int = 200) -> Response:
@@ -77,6 +78,7 @@ class ProxyServer:
         self.started = time.monotonic()
         self.started_wall = int(time.time())
         self.canary = {"ok": False, "at": None, "last_ok": None, "error": "no canary has run yet", "ms": None}
+        self._canary_long = True     # see canary_once
         self._servers: list = []
         self._tasks: list = []
         self.public_port = cfg.port
@@ -387,9 +389,11 @@ class ProxyServer:
         m.e2e_path[route].observe(time.monotonic() - t0)
 
     # ----- readiness canary -------------------------------------------------------------------------
-    # The prompt is longer than one LMCache chunk (256 tokens) so that the canary makes the prefiller store
-    # and the decoder retrieve: lmcache 0.5.6 starts a worker's heartbeat (which re-registers it after a KV
-    # server restart) only after that worker's first store or retrieve (docs/real-engines.md).
+    # The first canary, and the first after a failed one, is longer than one LMCache chunk (256 tokens) so
+    # that it makes the prefiller store and the decoder retrieve: lmcache 0.5.6 starts a worker's heartbeat
+    # (which re-registers it after a KV server restart) only after that worker's first store or retrieve
+    # (docs/real-engines.md). A worker that restarted fails a canary first, so it gets a long one too. The
+    # others are short: they never reach LMCache and do not disturb its hit counters.
     async def canary_once(self) -> bool:
         """One real request through both legs (P then D, max_tokens=1): the only honest readiness signal."""
         t0 = time.monotonic()
@@ -401,7 +405,8 @@ class ProxyServer:
         if not models:
             self.canary.update(ok=False, error="no backend answered GET /v1/models")
             return False
-        body = {"model": sorted(models)[0], "prompt": CANARY_PROMPT, "max_tokens": 1,
+        body = {"model": sorted(models)[0], "prompt": CANARY_PROMPT if self._canary_long else CANARY_SHORT,
+                "max_tokens": 1,
                 "temperature": 0, "stream": False}
         raw = json.dumps(body).encode()
         rid = new_request_id()
@@ -420,6 +425,7 @@ class ProxyServer:
             return False
         now = time.monotonic()
         self.canary.update(ok=True, last_ok=now, error="", ms=round((now - t0) * 1000, 1))
+        self._canary_long = False
         return True
 
     async def _canary_loop(self) -> None:
@@ -432,4 +438,6 @@ class ProxyServer:
                 self.canary.update(ok=False, error=f"{type(e).__name__}: {e}")
                 log.exception("canary failed")
             self.metrics.count("canary", "ok" if ok else "failed")
+            if not ok:
+                self._canary_long = True
             await asyncio.sleep(self.cfg.canary_interval_s if ok else min(1.0, self.cfg.canary_interval_s))
