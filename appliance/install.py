@@ -73,6 +73,41 @@ def plan_ports(plan: Plan) -> dict[int, str]:
     return ports
 
 
+def not_reachable_by_others(path: Path, want: int) -> str | None:
+    """Why the service user (not root, not the owner) cannot reach ``path``: a parent without o+x, or the file
+    itself without ``want`` (stat.S_IXOTH to run, S_IROTH to read) for others; None when it can."""
+    import stat
+    real = Path(os.path.realpath(path))
+    if not real.exists():
+        return f"{path} does not exist"
+    for parent in list(real.parents)[::-1]:
+        if not parent.stat().st_mode & stat.S_IXOTH:
+            return f"{parent} is not searchable by other users (mode {oct(parent.stat().st_mode & 0o777)})"
+    if not real.stat().st_mode & want:
+        return f"{real} is mode {oct(real.stat().st_mode & 0o777)}"
+    return None
+
+
+def engine_access_problems(plan: Plan) -> list[str]:
+    """Files the engines run or read as the service user: the engine interpreter and the model directory."""
+    import stat
+    probs = []
+    for w in plan.workers[:1]:
+        exe = Path(w.argv[0])
+        why = not_reachable_by_others(exe, stat.S_IXOTH)
+        if why:
+            probs.append(f"the engine command {exe} cannot be run by the {C.SERVICE_USER} user: {why}")
+    if plan.model.startswith("/"):
+        model = Path(plan.model)
+        for f in [model, *sorted(p for p in model.iterdir() if p.is_file())] if model.is_dir() else [model]:
+            why = not_reachable_by_others(f, stat.S_IXOTH if f.is_dir() else stat.S_IROTH)
+            if why:
+                probs.append(f"the model {f} cannot be read by the {C.SERVICE_USER} user: {why} "
+                             f"(chmod -R a+rX {model})")
+                break
+    return probs
+
+
 def preflight(plan: Plan, root: Path, units_active: bool) -> None:
     if os.geteuid() != 0:
         raise CliError("must run as root (it writes /etc/pdctl and systemd units and creates the pdctl user): "
@@ -95,6 +130,12 @@ def preflight(plan: Plan, root: Path, units_active: bool) -> None:
             raise CliError(f"too little free RAM for the planned LMCache L1: {plan.kv_server.l1_size_gb:g} GiB L1 + 2 GiB "
                            f"needed, {avail / GiB:.1f} GiB available; lower it with --l1-size-gb N or "
                            "[kv_server] l1_size_gb", EXIT_BAD)
+    if plan.engine != "twin":
+        probs = engine_access_problems(plan)
+        if probs:
+            raise CliError("; ".join(probs) + ". The units run as the unprivileged pdctl user (a venv whose "
+                           "python lives under /root is not reachable: let install.sh create the venv, or use "
+                           "one outside /root)", EXIT_BAD)
 
 
 # --- user, files, systemd ------------------------------------------------------------------------------

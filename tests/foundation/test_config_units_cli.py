@@ -222,3 +222,24 @@ def test_renderer_refuses_multiline_values():
     bad = replace(plan, served_model_name="m\nExecStartPre=+/bin/sh -c id")
     with pytest.raises(ValueError, match="spans lines"):
         U.render(bad, "x")
+
+
+def test_engine_access_check_names_what_the_service_user_cannot_reach():
+    import stat
+    import tempfile
+    from appliance.install import not_reachable_by_others
+    tmp_path = Path(tempfile.mkdtemp(dir="/tmp"))   # pytest's own tmp root is 0700
+    d = tmp_path / "private"
+    d.mkdir()
+    f = d / "model.safetensors"
+    f.write_text("x")
+    tmp_path.chmod(0o755)
+    d.chmod(0o700)
+    assert "not searchable by other users" in not_reachable_by_others(f, stat.S_IROTH)
+    d.chmod(0o755)
+    f.chmod(0o600)
+    assert "mode 0o600" in not_reachable_by_others(f, stat.S_IROTH)
+    f.chmod(0o644)
+    assert not_reachable_by_others(f, stat.S_IROTH) is None
+    assert "does not exist" in not_reachable_by_others(tmp_path / "nope", stat.S_IROTH)
+    shutil.rmtree(tmp_path)
