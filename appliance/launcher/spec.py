@@ -18,7 +18,13 @@ def worker_spec(plan: Plan, w: WorkerPlan, timing: Timing | None = None, base_en
         health_url=f"{w.url()}{WORKER_HEALTH_PATH}",
         loading=f"loading model {plan.model}",
         serving=f"serving {plan.served_model_name} as {w.role} on 127.0.0.1:{w.port} ({where})",
-        gpus=gpus, gpu_check=NO_GPU_ENGINES.get(plan.engine, ""), timing=timing or Timing())
+        gpus=gpus, gpu_check=NO_GPU_ENGINES.get(plan.engine, ""), timing=timing or Timing(),
+        needs_url=f"{plan.kv_server.http_url}{KV_HEALTH_PATH}" if _uses_kv(w) else "")
+
+
+def _uses_kv(w: WorkerPlan) -> bool:
+    """The worker talks to the KV server: vLLM with the LMCache connector, or a twin engine (--kv)."""
+    return "--kv-transfer-config" in w.argv or "--kv" in w.argv
 
 
 def kvserver_spec(plan: Plan, timing: Timing | None = None, base_env: dict | None = None) -> EngineSpec:

@@ -65,6 +65,9 @@ class EngineSpec:
     gpus: tuple = ()                   # NVML indices to wait for before start
     gpu_check: str = ""                # non-empty: why the GPU memory wait is skipped
     timing: Timing = field(default_factory=Timing)
+    needs_url: str = ""                # health URL of what the engine waits for while loading (the KV server):
+    #                                    named in STATUS= when it does not answer, so "stuck waiting for LMCache"
+    #                                    is not mistaken for a slow model load
 
 
 @dataclass
@@ -233,7 +236,13 @@ def run(spec: EngineSpec, probe: Callable[[str, float], healthmod.Probe] = healt
                     say(f"unhealthy for {down_s:.0f} s: {p.detail}"
                         + ("; watchdog pings stopped" if wd_period and down_s > wd_period else ""))
                 else:
-                    say(f"{spec.loading}, {now - t0:.0f} s ({p.detail})")
+                    why = ""
+                    if spec.needs_url:
+                        q = probe(spec.needs_url, min(0.5, t.probe_timeout_s))
+                        if not q.ok:
+                            why = f"; the KV server is not answering ({spec.needs_url}: {q.detail}): the engine waits " \
+                                  f"for it (lmcache.mp.mq_timeout), then exits and is restarted"
+                    say(f"{spec.loading}, {now - t0:.0f} s ({p.detail}){why}")
             if not ready:
                 elapsed = now - t0
                 if elapsed > t.load_timeout_s:

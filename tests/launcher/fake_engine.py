@@ -23,7 +23,7 @@ ap.add_argument("--exit-file")
 ap.add_argument("--ignore-term", action="store_true")
 ap.add_argument("--grandchild")
 ap.add_argument("--marker")
-a = ap.parse_args()
+a, _unknown = ap.parse_known_args()  # engine flags it does not model (e.g. --kv) are ignored
 t0 = time.monotonic()
 
 

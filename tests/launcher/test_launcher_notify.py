@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from launcher_util import REPO, make_plan, start_launcher
+from launcher_util import REPO, free_port, make_plan, start_launcher
 
 
 def _gone(pid: int, timeout: float = 5.0) -> bool:
@@ -217,3 +217,18 @@ def test_missing_engine_binary(tmp_path, notify, launched):
     out, _ = p.communicate(timeout=15)
     assert p.returncode == 127
     assert "cannot start '/nonexistent/vllm'" in out
+
+
+def test_status_names_the_kv_server_when_it_does_not_answer(tmp_path, notify, launched):
+    """A worker blocked in its LMCache connector looks like a slow model load unless STATUS says why."""
+    import json as _json
+    plan, port = make_plan(tmp_path, ["--load", "2.5"])
+    d = _json.loads(plan.read_text())
+    d["workers"][0]["argv"] = d["workers"][0]["argv"] + ["--kv", "tcp://127.0.0.1:1"]   # talks to the KV server
+    d["kv_server"]["http_port"] = free_port()                                            # which is not running
+    plan.write_text(_json.dumps(d))
+    p = start_launcher(plan, notify)
+    launched.append(p)
+    notify.wait_for("READY", "1", timeout=20)
+    loading = [s for s in notify.values("STATUS") if s.startswith("loading model")]
+    assert any("the KV server is not answering" in s and "/healthcheck" in s for s in loading), loading
