@@ -19,15 +19,7 @@ PERCENTILES = (50, 90, 95, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolation percentile (numpy's default); 0.0 for no values (as vllm bench serve prints)."""
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+from ..percentiles import percentile  # noqa: E402  (re-exported: one definition)
 
 
 def _peak_tokens_per_s(ok: list) -> float:

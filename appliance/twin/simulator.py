@@ -68,15 +68,7 @@ class PolicyConfig:
     skip_uncached_max: int = 512
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """numpy's default (linear interpolation) percentile; 0.0 for an empty list."""
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+from ..percentiles import percentile  # noqa: E402  (re-exported: one definition)
 
 
 class _Loop:
