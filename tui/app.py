@@ -12,6 +12,7 @@ from typing import Callable, Optional, Protocol
 from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
+from textual.css.query import NoMatches
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Footer, RichLog, Static
@@ -125,7 +126,10 @@ class PdctlApp(App):
 
     def _set(self, selector: str, content: Text) -> None:
         """Update a Static only when its content changed (a redraw is the TUI's main CPU cost)."""
-        w = self.query_one(selector, Static)
+        try:
+            w = self.query_one(selector, Static)
+        except NoMatches:  # a refresh that lands while the screen is being torn down (exit, screenshot)
+            return
         if getattr(w, "_pdctl_last", None) != content:
             w._pdctl_last = content
             w.update(content)
