@@ -128,12 +128,12 @@ def run_install(args: argparse.Namespace, fleet: FleetPlan) -> int:
               f"`journalctl -u {C.ROUTER_UNIT}` and `pdctl fleet status`", file=sys.stderr)
         return EXIT_FAIL
     if fleet.router.policy == "cache_aware":
-        from .status import tokenize_support
+        from .status import render_support
         for n in fleet.nodes:
-            t = tokenize_support(n)
+            t = render_support(n)
             if t != "yes":
-                print(f"[WARN] box {n.label}: POST /tokenize -> {t}; cache_aware routes its text prompts by load "
-                      "only (see docs/fleet.md)", file=sys.stderr)
+                print(f"[WARN] box {n.label}: POST /v1/completions/render -> {t}; cache_aware routes its text prompts "
+                      "by load only (see docs/fleet.md)", file=sys.stderr)
     info(f"router up: {fleet.router.url}/v1 -> " + ", ".join(n.url for n in fleet.nodes) +
          f"; metrics {fleet.router.metrics_url}; `pdctl fleet status` shows every box")
     return EXIT_OK

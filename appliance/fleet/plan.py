@@ -234,7 +234,7 @@ def make_fleet_plan(node_specs: list, policy: str = DEFAULT_POLICY, listen: str 
         "decode disaggregation and the shared LMCache L1 stay inside each box (CUDA IPC does not cross hosts)",
         {"cache_aware": "policy cache_aware: a prompt whose prefix the router sent to a box before goes to that "
                         f"box while the match is > {r.cache_threshold:g} of the prompt and loads are balanced "
-                        "(the box's L1 already holds it); needs each box to answer /tokenize",
+                        "(the box's L1 already holds it); it reads the prompt's tokens from each box's render routes",
          "consistent_hash": "policy consistent_hash: X-Session-Id / the request's user field pins a session to "
                             "one box (its L1 keeps the conversation)",
          }.get(policy, f"policy {policy}: load only, no cache affinity (boxes recompute shared prefixes)"),

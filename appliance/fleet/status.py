@@ -197,19 +197,22 @@ def render_text(view: FleetView) -> str:
                 notes.append(f"  {b.name}: {why}")
     missing = view.prefix_decisions.get("missing_tokens", 0)
     if missing:
-        notes.append(f"  router: {missing:.0f} request(s) routed by load only: cache_aware needs each box to answer "
-                     "POST /tokenize (or /v1/*/render) to see prompt tokens; until the boxes do, send token-id "
-                     "prompts or use --policy consistent_hash with X-Session-Id")
+        notes.append(f"  router: {missing:.0f} request(s) routed by load only: cache_aware asks each box's "
+                     "/v1/completions/render or /v1/chat/completions/render for the prompt's tokens and a box did "
+                     "not answer (an older pdctl, no healthy engine, or a 4xx); `pdctl fleet status` per box, or "
+                     "send token-id prompts, or use --policy consistent_hash with X-Session-Id")
     if notes:
         lines += ["", "why:"] + notes
     return "\n".join(lines) + "\n"
 
 
-def tokenize_support(node: Node, api_key: str | None = None, timeout: float = 2.0) -> str:
-    """Whether the box answers POST /tokenize, which cache_aware needs for text prompts: yes | no | unknown."""
+def render_support(node: Node, api_key: str | None = None, timeout: float = 2.0) -> str:
+    """Whether the box answers POST /v1/completions/render, which vllm-router's cache_aware asks for every text
+    prompt (pdctl >= this version answers it from the engines' /tokenize): yes | no | unknown (why)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.post(node.url + "/tokenize", json={"prompt": "pdctl probe"}, headers=headers, timeout=timeout)
+        r = httpx.post(node.url + "/v1/completions/render", json={"prompt": "pdctl probe"}, headers=headers,
+                       timeout=timeout)
     except httpx.HTTPError as exc:
         return f"unknown ({_err(exc)})"
     if r.status_code in (404, 405, 501):

@@ -17,7 +17,8 @@ from .. import constants as C
 from .backends import Backend
 from .breaker import Breaker
 from .config import ProxyConfig
-from .errors import NOT_FOUND, UNAUTHORIZED, ProxyError, bad_request, unavailable
+from . import render
+from .errors import NOT_FOUND, UNAUTHORIZED, ProxyError, bad_request, unavailable, upstream_failed
 from .legs import DecodeStream, Legs, Passthrough, decode_body
 from .metrics import ProxyMetrics
 from .routing import POLICIES, SKIP_NO_PREFILLER, PrefixIndex, affinity_key
@@ -30,6 +31,9 @@ from .validate import CHAT, COMPLETIONS, parse
 log = logging.getLogger("pdctl.proxy")
 _GEN_PATHS = ("/v1/completions", "/v1/chat/completions")
 _KNOWN_GET = ("/v1/models", "/health", "/ready", "/metrics")
+# Answered by one engine (same model and tokenizer everywhere): a fleet router's cache_aware policy asks the
+# render routes for every text request to match prompt prefixes by token ids (docs/fleet.md).
+_UTILITY_PATHS = ("/tokenize", render.COMPLETIONS_RENDER, render.CHAT_RENDER)
 _SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
@@ -86,7 +90,10 @@ class ProxyServer:
         self._public = {("GET", "/health"): self.h_health, ("GET", "/ready"): self.h_ready,
                         ("GET", "/metrics"): self.h_metrics, ("GET", "/v1/models"): self.h_models,
                         ("POST", "/v1/completions"): self.h_completions,
-                        ("POST", "/v1/chat/completions"): self.h_chat}
+                        ("POST", "/v1/chat/completions"): self.h_chat,
+                        ("POST", "/tokenize"): self.h_tokenize,
+                        ("POST", render.COMPLETIONS_RENDER): self.h_render,
+                        ("POST", render.CHAT_RENDER): self.h_render}
         self._internal = {("POST", C.TELEMETRY_PATH): self.h_telemetry, ("GET", "/pdctl/status"): self.h_status,
                           ("GET", "/health"): self.h_health, ("GET", "/metrics"): self.h_metrics}
         if cfg.public_status:
@@ -195,8 +202,87 @@ class ProxyServer:
                  **({"max_model_len": v} if v else {})} for k, v in sorted(models.items())]
         return _json({"object": "list", "data": data})
 
+    def _utility_body(self, request, route: str):
+        """Checks shared by /tokenize and the render routes (key, JSON object, served model): (body, None) or
+        (None, the 4xx answer)."""
+        crid = _client_request_id(request)
+        if not self._authorized(request):
+            self._count(route, "unauthorized")
+            return None, error_response(UNAUTHORIZED, crid)
+        try:
+            body = json.loads(request.body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            body = None
+        if not isinstance(body, dict):
+            self._count(route, "client_error")
+            return None, error_response(bad_request(f"the body of POST {request.path} must be a JSON object",
+                                                    code="invalid_json"), crid)
+        model = body.get("model")
+        models = self.known_models()
+        if model is not None and models and model not in models:
+            self._count(route, "client_error")
+            return None, error_response(ProxyError(404, f"model {str(model)[:200]!r} is not served here; served: "
+                                                        f"{', '.join(sorted(models))}", "invalid_request_error",
+                                                   "model_not_found", "model"), crid)
+        return body, None
+
+    async def h_tokenize(self, request):
+        """POST /tokenize: checked like /v1, then forwarded as-is to one engine."""
+        body, refused = self._utility_body(request, "tokenize")
+        if refused is not None:
+            return refused
+        crid = _client_request_id(request)
+        if ("prompt" in body) == ("messages" in body):
+            self._count("tokenize", "client_error")
+            return error_response(bad_request("POST /tokenize needs exactly one of 'prompt' (text or token ids) "
+                                              "or 'messages' (chat)", param="prompt", code="missing_prompt"), crid)
+        rid = new_request_id()
+        out = await self.legs.utility("/tokenize", request.body, rid)
+        if isinstance(out, ProxyError):
+            self._count("tokenize", "unavailable" if out.status == 503 else "upstream_error")
+            return error_response(out, crid or rid)
+        self._count("tokenize", "ok" if out.status == 200 else "client_error")
+        return Response(out.body, out.status, {"Content-Type": out.content_type, "X-Request-Id": crid or rid})
+
+    async def h_render(self, request):
+        """POST /v1/completions/render and /v1/chat/completions/render, answered from the engines' /tokenize
+        (see render.py): what a fleet router's cache_aware policy asks each box before it routes."""
+        route = "render"
+        body, refused = self._utility_body(request, route)
+        if refused is not None:
+            return refused
+        crid = _client_request_id(request)
+        rid = crid or new_request_id()
+        asks = render.plan(request.path, body)
+        if isinstance(asks, ProxyError):
+            self._count(route, "client_error")
+            return error_response(asks, rid)
+
+        async def one(ask):
+            if isinstance(ask, list):
+                return ask
+            out = await self.legs.utility("/tokenize", json.dumps(ask).encode(), rid)
+            if isinstance(out, ProxyError) or out.status != 200:
+                return out
+            try:
+                return render.token_ids(json.loads(out.body))
+            except (ValueError, UnicodeDecodeError):
+                return upstream_failed(f"/tokenize answered a body that is not JSON: {out.body[:120]!r}")
+
+        got = await asyncio.gather(*(one(a) for a in asks))
+        for g in got:
+            if isinstance(g, ProxyError):
+                self._count(route, "client_error" if g.status < 500 else
+                            ("unavailable" if g.status == 503 else "upstream_error"))
+                return error_response(g, rid)
+            if isinstance(g, Passthrough):            # the engine refused the prompt (4xx): its words
+                self._count(route, "client_error")
+                return Response(g.body, g.status, {"Content-Type": g.content_type, "X-Request-Id": rid})
+        self._count(route, "ok")
+        return _json(render.response(request.path, rid, got))
+
     async def h_unknown(self, request):
-        if request.path in _GEN_PATHS or request.path in _KNOWN_GET:
+        if request.path in _GEN_PATHS or request.path in _KNOWN_GET or request.path in _UTILITY_PATHS:
             return error_response(ProxyError(405, f"{request.method} is not allowed on {request.path}",
                                              "invalid_request_error", "method_not_allowed"))
         return error_response(NOT_FOUND)

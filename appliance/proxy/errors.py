@@ -39,4 +39,5 @@ def upstream_failed(message: str, code: str = "upstream_error") -> ProxyError:
 UNAUTHORIZED = ProxyError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the key in the "
                                "proxy's --api-key-file)", "authentication_error", "invalid_api_key")
 NOT_FOUND = ProxyError(404, "no such route: the proxy serves /v1/models, /v1/completions, /v1/chat/completions, "
-                            "/health, /ready, /metrics", "invalid_request_error", "not_found")
+                            "/v1/completions/render, /v1/chat/completions/render, /tokenize, /health, /ready, "
+                            "/metrics", "invalid_request_error", "not_found")

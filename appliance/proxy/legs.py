@@ -198,5 +198,39 @@ class Legs:
         return out
 
 
+    async def utility(self, path: str, data: bytes, rid: str):
+        """One small POST (``/tokenize``) to the least busy healthy engine, prefillers first:
+        every engine serves the same model and tokenizer. Passthrough or ProxyError."""
+        s = self.s
+        headers = self.headers(rid)
+        timeout = s.cfg.connect_timeout_s + 10.0
+        order = list(s.policy.prefill) + [b for b in s.policy.decode if b not in s.policy.prefill]
+
+        def pick(excluded):
+            now = time.monotonic()
+            ok = [b for b in order if b not in excluded and b.breaker.allows(now)]
+            return min(ok, key=lambda b: b.inflight, default=None)
+
+        async def call(b):
+            conn = await b.pool.request("POST", path, data, headers, timeout, b.pending)
+            status, ctype = conn.status, conn.headers.get("content-type", "application/json")
+            try:
+                raw = await conn.read_all(timeout)
+            finally:
+                b.pending.discard(conn)
+                conn.release()
+            if status >= 500:
+                raise LegFailure(f"{b.label}: {path} answered HTTP {status}: {raw[:160]!r}")
+            return Passthrough(status, raw, ctype)
+
+        out = await self._attempts("utility", pick, call)
+        if isinstance(out, list):
+            if not out:
+                return unavailable(f"no engine is available for {path} (breakers: {s.describe('prefill')}; "
+                                   f"{s.describe('decode')}); retry shortly or check `pdctl status`", "no_engine")
+            return upstream_failed(f"every {path} attempt failed: " + " | ".join(out[-3:]), "engine_failed")
+        return out
+
+
 __all__ = ["Legs", "LegFailure", "Passthrough", "PrefillResult", "DecodeStream", "ProxyError",
            "prefill_body", "decode_body"]

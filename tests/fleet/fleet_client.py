@@ -2,6 +2,7 @@
 
 ``affinity URL METRICS TAG MODE``: K shared prefixes; a concurrent warm-up request each, then R sequential
 requests per prefix; prints which box (router per-box success counter deltas) served each prefix.
+``decisions METRICS``: the router's prefix routing decisions by outcome.
 ``failover URL METRICS SECONDS STOP_FILE``: C streaming clients for SECONDS; the test stops a box when
 STOP_FILE appears (written by this script after a warm period); prints every request's outcome.
 """
@@ -37,6 +38,19 @@ def router_view(metrics_url: str) -> tuple[dict, dict]:
     return ok, health
 
 
+def decisions(metrics_url: str) -> dict:
+    """The router's prefix routing decisions by outcome (cache_aware: prefix_hit, prefix_miss, missing_tokens)."""
+    with urllib.request.urlopen(metrics_url, timeout=3) as r:
+        text = r.read().decode()
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("vllm_router_prefix_routing_decisions"):
+                out[s.labels.get("outcome", "")] = out.get(s.labels.get("outcome", ""), 0.0) + s.value
+    print(json.dumps(out))
+    return out
+
+
 def successes(metrics_url: str) -> dict:
     return router_view(metrics_url)[0]
 
@@ -44,14 +58,15 @@ def successes(metrics_url: str) -> dict:
 def prompt(mode: str, tag: str, i: int, suffix: str) -> tuple:
     """A request sharing prefix ``i`` (~1.4k tokens, a "system prompt") with a distinct tail.
 
-    ``ids``: token ids (the router keys its prefix tree on them directly); ``session``: text plus an
-    ``X-Session-Id`` header per prefix (what consistent_hash keys on).
+    ``ids``: token ids (the router keys its prefix tree on them directly); ``text``: plain text (cache_aware
+    gets its tokens from each box's render route); ``session``: text plus an ``X-Session-Id`` header per prefix
+    (what consistent_hash keys on).
     """
     if mode == "ids":
         base = [100 + zlib.crc32(f"{tag}/{i}/{j}".encode()) % 30000 for j in range(1400)]
         return base + [100 + zlib.crc32(f"{tag}/{suffix}/{j}".encode()) % 30000 for j in range(16)], {}
     words = " ".join(f"{tag}{i}w{j}" for j in range(700))
-    return f"You are assistant {words}. {suffix}", {"X-Session-Id": f"{tag}-{i}"}
+    return f"You are assistant {words}. {suffix}", ({"X-Session-Id": f"{tag}-{i}"} if mode == "session" else {})
 
 
 def one(c: httpx.Client, url: str, req: tuple, stream: bool) -> dict:
@@ -139,5 +154,7 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "affinity":
         affinity(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])
+    elif mode == "decisions":
+        decisions(sys.argv[2])
     else:
         failover(sys.argv[2], sys.argv[3], float(sys.argv[4]), Path(sys.argv[5]))

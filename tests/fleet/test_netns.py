@@ -111,6 +111,12 @@ def wait_in(topo: Topology, key: str, url: str, timeout: float) -> None:
     assert r.returncode == 0, f"{url} in {topo.ns[key]} not up within {timeout} s"
 
 
+def router_decisions(topo: Topology, fp) -> dict:
+    """vllm-router's prefix routing decisions by outcome (prefix_hit / prefix_miss / missing_tokens ...)."""
+    out = run_in(topo, "r", [str(HERE / "fleet_client.py"), "decisions", fp.router.metrics_url])
+    return {k: float(v) for k, v in out.items()}
+
+
 def box_hit_rate(before: dict, after: dict) -> dict:
     """1 - tokens the box computed / prompt tokens its decoders were asked for (each request hits one decoder)."""
     req = comp = 0.0
@@ -175,13 +181,18 @@ def test_two_boxes_prefix_affinity_and_failover(tmp_path):
             #    (X-Session-Id) against a round-robin control on the same boxes
             ca, ca_proc = router("cache_aware", ports[0], ports[1], "router-ca")
             results["cache_aware"] = affinity(ca, "ca", "ids")
+            d0 = router_decisions(topo, ca)
+            results["cache_aware_text"] = affinity(ca, "ct", "text")     # tokens from each box's render route
+            d1 = router_decisions(topo, ca)
+            results["cache_aware_text"]["router_decisions"] = {k: d1.get(k, 0) - d0.get(k, 0) for k in d1}
             rr, rr_proc = router("round_robin", ports[2], ports[3], "router-rr")
             results["round_robin"] = affinity(rr, "rr", "ids")
             stop(rr_proc)
             ch, ch_proc = router("consistent_hash", ports[4], ports[5], "router-ch")
             results["consistent_hash"] = affinity(ch, "ch", "session")
             stop(ch_proc)
-            for policy in ("cache_aware", "consistent_hash"):
+            assert results["cache_aware_text"]["router_decisions"].get("missing_tokens", 0) == 0, results
+            for policy in ("cache_aware", "cache_aware_text", "consistent_hash"):
                 for p in results[policy]["per_prefix_requests"]:
                     assert max(p.values()) == sum(p.values()) == 4, results[policy]   # every prefix on one box
                 for b in results[policy]["boxes"].values():

@@ -93,6 +93,24 @@ class Engine:
         except Exception:  # noqa: BLE001 - a stand-in: telemetry is best effort, as in LMCache
             pass
 
+    async def tokenize(self, request):
+        """vLLM's /tokenize shape; one id per whitespace-separated word (enough for routing tests)."""
+        body = await request.json()
+        self.log.append({"path": request.path, "rid": request.headers.get("X-Request-Id", "none"), "body": body,
+                         "auth": request.headers.get("Authorization"), "t": time.time()})
+        if self.mode == "crash":
+            os._exit(3)
+        await self.hang_if("hang_gen", "hang_all")
+        if self.mode == "error500":
+            return web.json_response({"error": {"message": "engine broke", "type": "InternalServerError"}},
+                                     status=500)
+        if "model" in body and body["model"] != MODEL:
+            return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                                "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
+        text = body.get("prompt") if "prompt" in body else " ".join(m.get("content", "") for m in body["messages"])
+        ids = [sum(map(ord, w)) % 50000 for w in str(text).split()]
+        return web.json_response({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids})
+
     async def generate(self, request):
         chat = request.path.endswith("chat/completions")
         raw = await request.read()
@@ -178,6 +196,7 @@ def build_app(telemetry: str | None = None) -> web.Application:
     app.router.add_get("/metrics", e.metrics)
     app.router.add_post("/v1/completions", e.generate)
     app.router.add_post("/v1/chat/completions", e.generate)
+    app.router.add_post("/tokenize", e.tokenize)
     app.router.add_post("/_control", e.control)
     app.router.add_get("/_log", e.get_log)
     app.router.add_post("/_reset", e.reset)

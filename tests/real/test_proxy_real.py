@@ -132,3 +132,27 @@ def test_streaming_completion_ttft_proxy_vs_direct_and_short_prompt_skip(real_st
     assert d["skip_short"] == 1 and d["stored"] == 0, d
     real_report["ttft_stream_870_tokens"] = {"via_proxy_pd_s": round(ttft_proxy, 3),
                                              "direct_decoder_no_cache_s": round(ttft_direct, 3)}
+
+
+def test_render_routes_through_proxy_match_the_engines_own_tokenizer(real_stack, real_proxy, http):
+    """What a fleet router's cache_aware asks each box: the proxy's render answers carry exactly the token ids
+    the real engine computes (chat template applied for chat), so prefix matching across boxes is exact."""
+    model = real_stack.plan["served_model_name"]
+    d_url = real_stack.url("decode")
+    prompt = long_prompt(seed=33)[:600]
+    own = http.post(d_url + "/tokenize", json={"model": model, "prompt": prompt}).json()["tokens"]
+    r = http.post(real_proxy.url + "/v1/completions/render",
+                  json={"model": model, "prompt": prompt, "max_tokens": 4, "stream": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()[0]["token_ids"] == own and len(own) > 10
+    msgs = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": prompt[:200]}]
+    own_chat = http.post(d_url + "/tokenize", json={"model": model, "messages": msgs,
+                                                    "add_generation_prompt": True}).json()["tokens"]
+    r = http.post(real_proxy.url + "/v1/chat/completions/render",
+                  json={"model": model, "messages": msgs, "max_tokens": 4, "stream": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["token_ids"] == own_chat and len(own_chat) > 5
+    r = http.post(real_proxy.url + "/tokenize", json={"model": model, "prompt": prompt})
+    assert r.status_code == 200 and r.json()["tokens"] == own
+    r = http.post(real_proxy.url + "/v1/completions/render", json={"model": model, "prompt": 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
