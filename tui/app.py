@@ -4,10 +4,14 @@ Loop (dolphie's): a thread worker reads ``source.latest()``; on success the UI t
 re-arms a one-shot timer, so polls never overlap or pile up. The source is anything with ``latest()``
 (the Collector, or a scripted source in tests). Unit actions and the journal are injected callables,
 so tests drive the real dialogs without touching systemd.
+
+On a fleet front node a second source (``appliance.fleet.watch.FleetWatch``, or a scripted one) feeds the
+fleet table the same way. Without a snapshot source (a pure front node: no local box) the fleet takes the
+whole screen, and the unit actions act on the router's unit.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from rich.text import Text
 from textual import work
@@ -18,11 +22,13 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Footer, RichLog, Static
 from textual.worker import Worker, WorkerState
 
+from appliance import constants as C
 from appliance.actions import ActionResult, run_unit_action
 from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
 from appliance.status import na_notes
 
+from .panels import fleet as fleet_panel
 from .panels import header as header_panel
 from .panels import summary, tables
 from .widgets.chart import Chart
@@ -31,6 +37,10 @@ from .widgets.dialogs import Confirm, Help
 
 class SnapshotSource(Protocol):
     def latest(self) -> Optional[Snapshot]: ...
+
+
+class FleetSource(Protocol):
+    def latest(self) -> Optional[Any]: ...          # appliance.fleet.status.FleetView
 
 
 def journal_logs(unit: str, after_cursor: str) -> tuple[list, str, str]:
@@ -49,15 +59,23 @@ class PdctlApp(App):
         Binding("r", "restart", "Restart"),
         Binding("s", "stop_start", "Stop/Start"),
         Binding("p", "pause", "Pause"),
+        Binding("f", "fleet_zoom", "Fleet"),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
     ]
 
-    def __init__(self, source: SnapshotSource, refresh: float = 1.0, *, instances: Optional[list] = None,
+    def __init__(self, source: Optional[SnapshotSource], refresh: float = 1.0, *, instances: Optional[list] = None,
                  action: Callable[[str, str], ActionResult] = run_unit_action,
-                 logs: Callable[[str, str], tuple[list, str, str]] = journal_logs):
+                 logs: Callable[[str, str], tuple[list, str, str]] = journal_logs,
+                 fleet: Optional[FleetSource] = None, fleet_refresh: Optional[float] = None):
         super().__init__()
+        if source is None and fleet is None:
+            raise ValueError("PdctlApp needs a snapshot source, a fleet source, or both")
         self.source = source
+        self.fleet = fleet
+        self.fleet_only = source is None
+        self.fleet_refresh_s = fleet_refresh or refresh
+        self.fleet_view: Optional[Any] = None
         self.refresh_s = refresh
         self.instances = instances or []
         self.action_fn = action
@@ -72,33 +90,58 @@ class PdctlApp(App):
     def compose(self) -> ComposeResult:
         yield Static(id="title")
         yield Static(id="why")
-        with Horizontal(id="summary"):
-            with Vertical(id="ttft", classes="panel"):
-                yield Static(id="ttft-text")
-                yield Chart(id="ttft-chart")
-            yield Static(id="kv", classes="panel")
-            yield Static(id="traffic", classes="panel")
-        yield DataTable(id="roles", cursor_type="row", zebra_stripes=False)
-        yield DataTable(id="gpus", cursor_type="row")
+        if not self.fleet_only:
+            with Horizontal(id="summary"):
+                with Vertical(id="ttft", classes="panel"):
+                    yield Static(id="ttft-text")
+                    yield Chart(id="ttft-chart")
+                yield Static(id="kv", classes="panel")
+                yield Static(id="traffic", classes="panel")
+            yield DataTable(id="roles", cursor_type="row", zebra_stripes=False)
+            yield DataTable(id="gpus", cursor_type="row")
+        if self.fleet is not None:
+            if self.fleet_only:               # the fleet is the dashboard: router line, boxes, every reason
+                yield Static(id="fleet-line")
+                yield DataTable(id="fleet", cursor_type="row", classes="fleet-only")
+                yield Static(id="fleet-notes")
+            else:                             # under the box's tables; the router line is the table's subtitle
+                yield DataTable(id="fleet", cursor_type="row", classes="fleet-also")
         yield RichLog(id="logs", max_lines=500, wrap=False, markup=False)
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#ttft").border_title = "TTFT (proxy)"
-        self.query_one("#kv").border_title = "KV hit rate"
-        self.query_one("#traffic").border_title = "traffic"
-        self.query_one("#roles").border_title = "roles"
-        self.query_one("#gpus").border_title = "GPUs"
         self.query_one("#logs").border_title = "journal"
         self.query_one("#logs").display = False
-        self._set("#title", header_panel.title(None, self.paused))
-        self.query_one("#roles", DataTable).focus()
-        self.poll()
+        if self.fleet is not None:
+            self.query_one("#fleet").border_title = "fleet"
+            if self.fleet_only:
+                self._set("#fleet-line", fleet_panel.router_line(None))
+                self.query_one("#fleet-notes").border_title = "why"
+            else:
+                self.query_one("#fleet").border_subtitle = fleet_panel.router_line(None)
+        if self.fleet_only:
+            self._set("#title", fleet_panel.title(None, self.paused))
+            self.query_one("#fleet", DataTable).focus()
+        else:
+            self.query_one("#ttft").border_title = "TTFT (proxy)"
+            self.query_one("#kv").border_title = "KV hit rate"
+            self.query_one("#traffic").border_title = "traffic"
+            self.query_one("#roles").border_title = "roles"
+            self.query_one("#gpus").border_title = "GPUs"
+            self._set("#title", header_panel.title(None, self.paused))
+            self.query_one("#roles", DataTable).focus()
+            self.poll()
+        if self.fleet is not None:
+            self.poll_fleet()
 
     # -- polling loop --------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="poll", exit_on_error=False)
     def poll(self) -> Optional[Snapshot]:
         return self.source.latest()
+
+    @work(thread=True, exclusive=True, group="fleet", exit_on_error=False)
+    def poll_fleet(self) -> Optional[Any]:
+        return self.fleet.latest()
 
     @work(thread=True, exclusive=True, group="logs", exit_on_error=False)
     def fetch_logs(self, unit: str, cursor: str) -> tuple[str, list, str, str]:
@@ -113,6 +156,16 @@ class PdctlApp(App):
             elif event.state == WorkerState.ERROR:
                 self.query_one("#why", Static).update(Text(f"snapshot source failed: {w.error}", style="red"))
             self.set_timer(self.refresh_s, self.poll)
+        elif w.group == "fleet" and event.state in (WorkerState.SUCCESS, WorkerState.ERROR):
+            if event.state == WorkerState.SUCCESS and not self.paused and w.result is not None:
+                self.render_fleet(w.result)
+            elif event.state == WorkerState.ERROR:
+                failed = Text(f"fleet source failed: {w.error}", style="red")
+                if self.fleet_only:
+                    self._set("#fleet-line", failed)
+                elif self.query("#fleet"):
+                    self.query_one("#fleet").border_subtitle = failed
+            self.set_timer(self.fleet_refresh_s, self.poll_fleet)
         elif w.group == "logs" and event.state == WorkerState.SUCCESS:
             unit, lines, cursor, err = w.result
             if unit != self.log_unit:
@@ -137,7 +190,7 @@ class PdctlApp(App):
     def render_snapshot(self, snap: Snapshot) -> None:
         self.snapshot = snap
         with self.batch_update():
-            self._set("#title", header_panel.title(snap, self.paused))
+            self._set("#title", self._title())
             self._set("#why", header_panel.why(snap))
             self._set("#ttft-text", summary.ttft_text(snap))
             chart = self.query_one("#ttft-chart", Chart)
@@ -152,8 +205,39 @@ class PdctlApp(App):
         if self.log_unit and self.query_one("#logs").display:
             self.fetch_logs(self.log_unit, self._log_cursor)
 
+    def render_fleet(self, view: Any) -> None:
+        if view == self.fleet_view and self.fleet_view is not None:
+            return                               # an unchanged round costs no redraw
+        self.fleet_view = view
+        try:
+            table = self.query_one("#fleet", DataTable)
+        except NoMatches:  # torn down (exit, screenshot)
+            return
+        with self.batch_update():
+            fleet_panel.render_fleet(table, view)
+            if self.fleet_only:
+                self._set("#fleet-line", fleet_panel.router_line(view))
+                self._set("#why", fleet_panel.why(view))
+                self._set("#fleet-notes", fleet_panel.notes_text(view))
+            else:
+                table.border_subtitle = fleet_panel.router_line(view)
+            self._set("#title", self._title())
+
+    def _title(self) -> Text:
+        if self.fleet_only:
+            return fleet_panel.title(self.fleet_view, self.paused)
+        t = header_panel.title(self.snapshot, self.paused)
+        if self.fleet is not None and self.fleet_view is not None:   # the box is also the front node
+            v = self.fleet_view
+            t.append(" · fleet ")
+            t.append(f"{fleet_panel.ready_count(v)}/{len(v.boxes)} ready",
+                     style=fleet_panel.STATE_STYLE[fleet_panel.overall(v)])
+        return t
+
     # -- selection and actions -----------------------------------------------------------------------
     def selected_unit(self) -> str:
+        if self.fleet_only:                      # a pure front node: the one local unit is the router
+            return C.ROUTER_UNIT
         table = self.query_one("#roles", DataTable)
         if not table.row_count:
             return ""
@@ -161,6 +245,8 @@ class PdctlApp(App):
         return str(key.value)
 
     def _unit_active(self, unit: str) -> bool:
+        if self.fleet_only:
+            return self.fleet_view is not None and self.fleet_view.router.startswith("ok")
         snap = self.snapshot
         if snap is None:
             return False
@@ -207,7 +293,28 @@ class PdctlApp(App):
 
     def action_pause(self) -> None:
         self.paused = not self.paused
-        self._set("#title", header_panel.title(self.snapshot, self.paused))
+        self._set("#title", self._title())
+
+    def check_action(self, action: str, parameters: tuple) -> Optional[bool]:
+        if action == "fleet_zoom":           # only where the fleet shares the screen with a local box
+            return self.fleet is not None and not self.fleet_only
+        return True
+
+    def action_fleet_zoom(self) -> None:
+        """Give the fleet table the whole height (and back): at 80x24 it shares it with two tables."""
+        if self.fleet is None or self.fleet_only:
+            return
+        zoomed = self.query_one("#roles").display
+        for sel in ("#summary", "#roles", "#gpus"):
+            self.query_one(sel).display = not zoomed
+        fleet = self.query_one("#fleet", DataTable)
+        fleet.focus() if zoomed else self.query_one("#roles", DataTable).focus()
 
     def action_help(self) -> None:
-        self.push_screen(Help(na_notes(self.snapshot) if self.snapshot else ["no snapshot yet"]))
+        if self.fleet_only:
+            notes = fleet_panel.notes(self.fleet_view)
+        else:
+            notes = na_notes(self.snapshot) if self.snapshot else ["no snapshot yet"]
+            if self.fleet is not None:
+                notes = notes + fleet_panel.notes(self.fleet_view)
+        self.push_screen(Help(notes))

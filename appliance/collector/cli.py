@@ -64,23 +64,55 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK if snap.overall == "ready" else EXIT_FAIL
 
 
+def _fleet_watch(config: Path):
+    """On a fleet front node (a fleet plan next to the settings): a started background fleet source for the
+    TUI, reading every box with the API key exactly as ``pdctl status`` does; None without a fleet plan."""
+    fleet_file = Path(config).parent / C.FLEET_PLAN.name
+    if not fleet_file.exists():
+        return None
+    from appliance.fleet.install import load_fleet
+    from appliance.fleet.watch import FleetWatch
+    key = None
+    key_file = _settings_value(config, "proxy", "api_key_file")
+    if key_file:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError:
+            key = None
+    return FleetWatch(load_fleet(fleet_file), api_key=key).start()
+
+
 def cmd_tui(args: argparse.Namespace) -> int:
-    from appliance.collector import Collector
+    from appliance.fleet.plan import FleetError
     from tui.app import PdctlApp
-    plan = _plan(args.config)
     refresh = args.refresh or _settings_value(args.config, "tui", "refresh_s") or 1.0
     if refresh <= 0:
         print(f"pdctl tui: --refresh must be > 0 (got {refresh})", file=sys.stderr)
         return EXIT_BAD
-    slo = _settings_value(args.config, "workload", "ttft_slo_s")
-    collector = Collector(plan, interval=refresh, slo_ttft_s=slo).start()
     try:
-        app = PdctlApp(collector, refresh=refresh, instances=[w.instance for w in plan.workers])
+        fleet = _fleet_watch(args.config)
+    except FleetError as exc:
+        print(f"pdctl tui: {exc}", file=sys.stderr)
+        return EXIT_BAD
+    has_plan = Path(args.config).with_name("plan.json").exists() or Path(args.config).suffix == ".json"
+    collector = None
+    try:
+        if fleet is not None and not has_plan:     # a pure front node: the fleet is the dashboard
+            app = PdctlApp(None, refresh=refresh, fleet=fleet)
+        else:
+            from appliance.collector import Collector
+            plan = _plan(args.config)
+            slo = _settings_value(args.config, "workload", "ttft_slo_s")
+            collector = Collector(plan, interval=refresh, slo_ttft_s=slo).start()
+            app = PdctlApp(collector, refresh=refresh, instances=[w.instance for w in plan.workers], fleet=fleet)
         if args.screenshot:
             return screenshot(app, args.screenshot, args.size, args.after)
         app.run()
     finally:
-        collector.stop()
+        if collector is not None:
+            collector.stop()
+        if fleet is not None:
+            fleet.stop()
     return EXIT_OK
 
 
