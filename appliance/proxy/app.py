@@ -236,6 +236,10 @@ class ProxyServer:
             self._count("tokenize", "client_error")
             return error_response(bad_request("POST /tokenize needs exactly one of 'prompt' (text or token ids) "
                                               "or 'messages' (chat)", param="prompt", code="missing_prompt"), crid)
+        checked = render.plan(render.CHAT_RENDER if "messages" in body else render.COMPLETIONS_RENDER, body)
+        if isinstance(checked, ProxyError):          # the same shape checks as the render routes
+            self._count("tokenize", "client_error")
+            return error_response(checked, crid)
         rid = new_request_id()
         out = await self.legs.utility("/tokenize", request.body, rid)
         if isinstance(out, ProxyError):

@@ -10,6 +10,7 @@ Token-id prompts need no engine call. Pure functions here; the proxy does the I/
 from __future__ import annotations
 
 from .errors import ProxyError, bad_request
+from .validate import chat_text
 
 COMPLETIONS_RENDER = "/v1/completions/render"
 CHAT_RENDER = "/v1/chat/completions/render"
@@ -29,9 +30,9 @@ def _is_ids(v) -> bool:
 def plan(path: str, body: dict) -> list | ProxyError:
     """What to ask for each prompt, in order: a /tokenize body (dict) or the token ids already given (list)."""
     if path == CHAT_RENDER:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            return bad_request("'messages' must be a non-empty list", param="messages", code="missing_messages")
+        checked = chat_text(body.get("messages"))      # the same message checks as /v1/chat/completions
+        if isinstance(checked, ProxyError):
+            return checked
         tb = {k: body[k] for k in _CHAT_KEYS if k in body}
         tb.setdefault("add_generation_prompt", True)
         return [tb]

@@ -73,7 +73,7 @@ def parse(raw: bytes, kind: str, max_tokens_limit: int) -> Parsed | ProxyError:
     if n is not None and (not _is_int(n) or not 1 <= n <= 128):
         return bad_request("'n' must be an integer between 1 and 128", param="n")
     if kind == CHAT:
-        text = _chat_text(body.get("messages"))
+        text = chat_text(body.get("messages"))
     else:
         text = _prompt_text(body.get("prompt"))
     if isinstance(text, ProxyError):
@@ -83,7 +83,7 @@ def parse(raw: bytes, kind: str, max_tokens_limit: int) -> Parsed | ProxyError:
     return Parsed(body=body, kind=kind, model=model, stream=stream, prompt_text=txt, prompt_tokens_est=est)
 
 
-def _chat_text(messages) -> str | ProxyError:
+def chat_text(messages) -> str | ProxyError:
     if messages is None:
         return bad_request("'messages' is required: a non-empty list of {\"role\": ..., \"content\": ...}",
                            param="messages", code="missing_messages")

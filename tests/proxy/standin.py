@@ -107,7 +107,9 @@ class Engine:
         if "model" in body and body["model"] != MODEL:
             return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist.",
                                                 "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
-        text = body.get("prompt") if "prompt" in body else " ".join(m.get("content", "") for m in body["messages"])
+        def words(c):
+            return c if isinstance(c, str) else " ".join(p.get("text", "") for p in c or [] if isinstance(p, dict))
+        text = body.get("prompt") if "prompt" in body else " ".join(words(m.get("content")) for m in body["messages"])
         ids = [sum(map(ord, w)) % 50000 for w in str(text).split()]
         return web.json_response({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids})
 

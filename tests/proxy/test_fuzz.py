@@ -14,7 +14,8 @@ from appliance.proxy.app import ProxyServer
 
 from .conftest import make_cfg
 
-PATHS = ("/v1/chat/completions", "/v1/completions")
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/chat/completions/render", "/v1/completions/render",
+         "/tokenize")
 json_leaf = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=30)
 json_any = st.recursive(json_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c,
                                                                                        max_size=4), max_leaves=12)
