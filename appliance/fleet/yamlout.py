@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-_PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]*$")
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")   # fullmatch: "$" would let a trailing newline in
 # characters YAML does not allow raw, or reads as line breaks (NEL, LS, PS); all of them are in the BMP
 _NONPRINTABLE = re.compile("[^\t\n\r\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 _RESERVED = {"y", "n", "yes", "no", "on", "off", "true", "false", "null"}   # YAML 1.1 readers resolve these
@@ -40,7 +40,7 @@ def _lines(v, indent: int) -> list:
         if not v:
             return [pad + "{}"]
         for k, x in v.items():
-            key = str(k) if _PLAIN_KEY.match(str(k)) and str(k).lower() not in _RESERVED else _scalar(str(k))
+            key = str(k) if _PLAIN_KEY.fullmatch(str(k)) and str(k).lower() not in _RESERVED else _scalar(str(k))
             if isinstance(x, (dict, list)) and x:
                 out.append(f"{pad}{key}:")
                 out += _lines(x, indent + 2)
