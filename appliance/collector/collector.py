@@ -2,8 +2,9 @@
 
 Sources per tick: GPU sampler (NVML or twin), one ``systemctl show`` for all units, each worker's
 ``/health`` and ``/metrics``, the KV server's ``/healthcheck``, ``/status`` and ``/metrics``, the proxy's
-``/metrics``, ``/ready`` and its loopback status JSON. HTTP calls run in parallel with short time-outs,
-so one hung endpoint costs one time-out, not one per source. A failing source makes its own fields NA
+``/metrics``, ``/ready`` and its loopback status JSON. HTTP calls are all in flight at once (non-blocking
+keep-alive sockets driven from the collector thread, no thread pool) with short time-outs, so one hung
+endpoint costs one time-out, not one per source. A failing source makes its own fields NA
 and the overall state "degraded"; it never stops the tick.
 """
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
 
 from appliance import constants as C
@@ -71,9 +71,16 @@ class Collector:
         self.timeout_s = timeout_s
         self.window = Window(window_s)
         self.slo_ttft_s = slo_ttft_s
-        self._history = {k: deque(maxlen=history_len) for k in HISTORY_SERIES}
-        self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="pdctl-scrape")
+        # per series: the known values of the last ``history_len`` ticks with their tick number, so the
+        # Snapshot's history tuple is one C-level copy instead of a filter over the whole ring each tick
+        self._history_len = history_len
+        self._history = {k: (deque(), deque()) for k in HISTORY_SERIES}      # (tick numbers, values)
+        self.max_parallel = max_parallel          # kept for callers; every GET of a tick is in flight at once
         self._fetch = Fetcher(timeout_s)
+        self._urls: Optional[dict] = None
+        self._urls_plan: Any = None
+        self._wunit: dict[str, str] = {}          # worker instance -> unit name (a property that formats)
+        self._unit_names: list[str] = []
         self._tick = 0
         self.units_every = max(1, units_every)
         self._states: dict = {}
@@ -100,8 +107,7 @@ class Collector:
         self.close()
 
     def close(self) -> None:
-        """Release the scrape threads, keep-alive connections and the GPU sampler."""
-        self._pool.shutdown(wait=False)
+        """Release the keep-alive connections and the GPU sampler."""
         self._fetch.close()
         self.sampler.close()
 
@@ -123,29 +129,41 @@ class Collector:
             self._stop.wait(delay)
 
     # -- one tick ----------------------------------------------------------------------------------
+    def _endpoints(self) -> dict:
+        """Every URL of a tick, and the unit names, built once per plan object."""
+        if self._urls is None or self._urls_plan is not self.plan:
+            plan = self.plan
+            px = plan.proxy
+            kvu = plan.kv_server.http_url
+            proxy_url = f"http://127.0.0.1:{px.port}"
+            urls: dict[str, str] = {"kv_health": kvu + "/healthcheck", "kv_status": kvu + "/status",
+                                    "kv_metrics": kvu + "/metrics", "px_metrics": proxy_url + "/metrics",
+                                    "px_ready": proxy_url + "/ready",
+                                    "px_status": f"http://127.0.0.1:{px.internal_port}{PROXY_STATUS_PATH}"}
+            for w in plan.workers:
+                urls[f"w_health:{w.instance}"] = w.url() + "/health"
+                urls[f"w_metrics:{w.instance}"] = w.url() + "/metrics"
+            self._urls, self._urls_plan = urls, plan
+            self._wunit = {w.instance: w.unit for w in plan.workers}
+            self._unit_names = [C.KV_UNIT, C.PROXY_UNIT] + list(self._wunit.values())
+        return self._urls
+
     def tick(self) -> Snapshot:
         plan = self.plan
         now = time.time()
-        px = plan.proxy
-        kvu = plan.kv_server.http_url
-        proxy_url = f"http://127.0.0.1:{px.port}"
-        urls: dict[str, str] = {"kv_health": kvu + "/healthcheck", "kv_status": kvu + "/status",
-                                "kv_metrics": kvu + "/metrics", "px_metrics": proxy_url + "/metrics",
-                                "px_ready": proxy_url + "/ready",
-                                "px_status": f"http://127.0.0.1:{px.internal_port}{PROXY_STATUS_PATH}"}
-        for w in plan.workers:
-            urls[f"w_health:{w.instance}"] = w.url() + "/health"
-            urls[f"w_metrics:{w.instance}"] = w.url() + "/metrics"
+        proxy_url = f"http://127.0.0.1:{plan.proxy.port}"
+        urls = self._endpoints()
         # health and /status every units_every ticks, and every tick while anything fails: with the
         # engines' /metrics answering each tick they add little, and each GET is ~0.3 ms of CPU
         slow = bool(self._last_errors) or self._tick % self.units_every == 0
         todo = {k: u for k, u in urls.items() if slow or not k.startswith(_SLOW_KEYS) or k not in self._got}
-        futures = {k: self._pool.submit(self._fetch, u) for k, u in todo.items()}
-        raw_gpus = self.sampler.sample()
-        got: dict[str, Fetched] = {k: f.result() for k, f in futures.items()}
+        wait = self._fetch.begin(todo)            # requests out; sample the GPUs while the servers answer
+        try:
+            raw_gpus = self.sampler.sample()
+        finally:
+            got: dict[str, Fetched] = wait()
         if not slow and any(not f.ok for k, f in got.items() if k != "px_status"):
-            again = {k: self._pool.submit(self._fetch, u) for k, u in urls.items() if k not in got}
-            got.update({k: f.result() for k, f in again.items()})
+            got.update(self._fetch.fetch_all({k: u for k, u in urls.items() if k not in got}))
         self._got = got = {**self._got, **got}
         states = self._unit_states(got)
 
@@ -155,8 +173,10 @@ class Collector:
         self.window.push(now, self._cumulative(wm, km, pm))
 
         breakers = self._breakers(got["px_status"], pm)
+        wunit = self._wunit
         workers = tuple(self._worker(w, got[f"w_health:{w.instance}"], wm[w.instance], breakers,
-                                     states.get(w.unit) or na_unit(w.unit, "no state")) for w in plan.workers)
+                                     states.get(wunit[w.instance]) or na_unit(wunit[w.instance], "no state"))
+                        for w in plan.workers)
         kv = self._kv(got, km, states.get(C.KV_UNIT) or na_unit(C.KV_UNIT, "no state"))
         proxy = self._proxy(got, pm, breakers, proxy_url, states.get(C.PROXY_UNIT) or na_unit(C.PROXY_UNIT, "?"))
         layers = self._layers(workers, kv)
@@ -170,8 +190,15 @@ class Collector:
         self._tick += 1
         hist_vals = {"ttft_p50": proxy.ttft_p50_s, "ttft_p95": proxy.ttft_p95_s, "kv_hit": layers.kv_server,
                      "req_per_s": proxy.req_per_s, "gen_tps": traffic.gen_tps}
+        oldest = self._tick - self._history_len            # ticks at or before this left the ring
         for k, v in hist_vals.items():
-            self._history[k].append(v)
+            ticks, vals = self._history[k]
+            if not is_na(v):
+                ticks.append(self._tick)
+                vals.append(float(v))
+            while ticks and ticks[0] <= oldest:
+                ticks.popleft()
+                vals.popleft()
         return Snapshot(
             taken_at=now, tick=self._tick, interval_s=self.interval, window_s=round(self.window.span, 3),
             mode=plan.mode, engine=plan.engine, engine_version=plan.engine_version,
@@ -179,14 +206,15 @@ class Collector:
             uptime_s=proxy.uptime_s, gpu_source=gpu_source, gpus=gpus, workers=workers, kv=kv, proxy=proxy,
             kv_layers=layers, traffic=traffic,
             slo_ttft_s=self.slo_ttft_s if self.slo_ttft_s is not None else NA("no TTFT SLO configured"),
-            history={k: tuple(float(x) for x in d if not is_na(x)) for k, d in self._history.items()})
+            history={k: tuple(vals) for k, (_, vals) in self._history.items()})
 
     # -- helpers -----------------------------------------------------------------------------------
     def _unit_states(self, got: dict) -> dict:
         """``systemctl show`` every ``units_every`` ticks (a process spawn is most of a tick's CPU), and
         at once whenever the set of failing endpoints changes, so a crash shows its unit state promptly."""
         errors = frozenset(k for k, f in got.items() if not f.ok and not k.startswith("px_status"))
-        names = [C.KV_UNIT, C.PROXY_UNIT] + [w.unit for w in self.plan.workers]
+        self._endpoints()
+        names = list(self._unit_names)
         if self._states and errors == self._last_errors and self._tick % self.units_every:
             return self._states
         self._last_errors = errors
@@ -271,14 +299,18 @@ class Collector:
             if isinstance(m, NA):
                 return m
             name = N.resolve(N.VLLM, logical, m.names, ver)
-            return self._absent(logical) if name is None else _f(m.total(name), f"{name} has no sample")
+            if name is None:
+                return self._absent(logical)
+            v = m.total(name)
+            return NA(f"{name} has no sample") if v is None else float(v)
         i = w.instance
         if isinstance(breakers, NA):
             br: Any = breakers
         else:
             br = dict(breakers).get(w.instance, NA("proxy does not list this backend"))
         return WorkerStatus(
-            instance=w.instance, role=w.role, port=w.port, unit=w.unit, gpus=tuple(w.gpus), health=h,
+            instance=w.instance, role=w.role, port=w.port, unit=self._wunit.get(w.instance) or w.unit,
+            gpus=tuple(w.gpus), health=h,
             running=gauge("running"), waiting=gauge("waiting"), kv_usage=gauge("kv_usage"),
             local_hit_rate=self._wratio(i, "prefix_hits", "prefix_queries", m),
             external_hit_rate=self._wratio(i, "ext_hits", "ext_queries", m),
@@ -426,7 +458,7 @@ class Collector:
         owner = {g: w for w in self.plan.workers for g in w.gpus}
         main_pids = {}
         for w in self.plan.workers:
-            pid = getattr(states.get(w.unit), "main_pid", None)
+            pid = getattr(states.get(self._wunit.get(w.instance) or w.unit), "main_pid", None)
             if isinstance(pid, int) and pid > 0:
                 main_pids[pid] = w.instance
         out = []

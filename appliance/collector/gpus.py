@@ -146,8 +146,26 @@ def _num(v: Any, what: str) -> Any:
     return NA(f"{what} not reported by the sampler") if v is None else v
 
 
+def _procs(procs: Any) -> tuple:
+    return tuple((int(_field(p, "pid", default=0)), _field(p, "used_bytes", "used_gpu_memory",
+                                                           default=NA("memory not reported")))
+                 if not isinstance(p, tuple) else p for p in procs)
+
+
 def adapt_record(rec: Any, default_index: int = 0) -> RawGpu:
     """Map one twin/other sample record (dataclass or dict, NVML-like field names) onto ``RawGpu``."""
+    if not isinstance(rec, dict):
+        try:            # a record with every canonical field (the twin's GpuSample): no name probing
+            index, name, util, used, total, temp, power, limit, procs = (
+                rec.index, rec.name, rec.util_pct, rec.mem_used_bytes, rec.mem_total_bytes, rec.temp_c,
+                rec.power_w, rec.power_limit_w, rec.processes)
+        except AttributeError:
+            pass
+        else:
+            return RawGpu(index=int(index), name=str(name), util_pct=_num(util, "utilization"),
+                          mem_used_bytes=_num(used, "memory used"), mem_total_bytes=_num(total, "memory total"),
+                          temp_c=_num(temp, "temperature"), power_w=_num(power, "power"),
+                          power_limit_w=_num(limit, "power limit"), processes=_procs(procs or ()))
     procs = _field(rec, "processes", default=()) or ()
     return RawGpu(
         index=int(_field(rec, "index", default=default_index)),
@@ -158,9 +176,7 @@ def adapt_record(rec: Any, default_index: int = 0) -> RawGpu:
         temp_c=_num(_field(rec, "temp_c", "temperature_c", "temperature"), "temperature"),
         power_w=_num(_field(rec, "power_w", "power_watts"), "power"),
         power_limit_w=_num(_field(rec, "power_limit_w", "power_limit_watts"), "power limit"),
-        processes=tuple((int(_field(p, "pid", default=0)), _field(p, "used_bytes", "used_gpu_memory",
-                                                                default=NA("memory not reported")))
-                        if not isinstance(p, tuple) else p for p in procs),
+        processes=_procs(procs),
     )
 
 

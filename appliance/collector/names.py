@@ -87,10 +87,29 @@ def _expected(cands: tuple[MetricName, ...], version: str) -> tuple[str, ...]:
     return ok or tuple(c.name for c in cands)
 
 
+_RESOLVED: dict[tuple, tuple] = {}
+
+
 def resolve(table: dict[str, tuple[MetricName, ...]], logical: str, present: frozenset | set,
             version: str = "") -> str | None:
-    """The family name this scrape exposes for ``logical``, preferring the version's own name."""
-    for name in expected(table, logical, version) + tuple(c.name for c in table[logical]):
+    """The family name this scrape exposes for ``logical``, preferring the version's own name.
+
+    Remembered per (candidates, scrape's family names, version): a collector asks ~90 times a tick and
+    the answer only changes when a scrape's set of families does."""
+    cands = table[logical]
+    # id(): hashing the MetricName tuple runs dataclass __hash__ per call; ``is`` below guards id reuse
+    key = (id(cands), present, version) if isinstance(present, frozenset) else None
+    if key is not None:
+        hit = _RESOLVED.get(key)
+        if hit is not None and hit[0] is cands:
+            return hit[1]
+    found = None
+    for name in _expected(cands, version) + tuple(c.name for c in cands):
         if name in present:
-            return name
-    return None
+            found = name
+            break
+    if key is not None:
+        if len(_RESOLVED) >= 4096:
+            _RESOLVED.clear()
+        _RESOLVED[key] = (cands, found)
+    return found

@@ -22,8 +22,10 @@ class Window:
     def __init__(self, span_s: float = 10.0):
         self.span_s = span_s
         self._ticks: deque[tuple[float, dict]] = deque()
+        self._memo: dict = {}          # (key, lazy) -> delta for the current ticks (floats and NA only)
 
     def push(self, t: float, values: dict) -> None:
+        self._memo.clear()
         self._ticks.append((t, values))
         # keep exactly one tick at or before the window start, so deltas cover the whole span
         while len(self._ticks) >= 2 and self._ticks[1][0] <= t - self.span_s:
@@ -39,6 +41,15 @@ class Window:
         ``lazy`` names a source whose counters appear only after their first event (LMCache, labelled
         proxy counters): in a tick where that source answered (``up:<source>`` set) an absent series was 0.
         """
+        hit = self._memo.get((key, lazy))
+        if hit is not None:
+            return hit
+        d = self._delta(key, lazy)
+        if not isinstance(d, dict):                 # a dict is the caller's to keep: not shared
+            self._memo[(key, lazy)] = d
+        return d
+
+    def _delta(self, key: str, lazy: str) -> Union[float, dict, NA]:
         if len(self._ticks) < 2:
             return NA("first sample: rates need two ticks")
         new = self._ticks[-1][1].get(key)

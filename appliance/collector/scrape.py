@@ -1,25 +1,34 @@
 """HTTP scrapes with short time-outs, and Prometheus text parsing that costs little CPU.
 
-Only the families the collector uses are parsed: lines are pre-filtered by name first, because a vLLM
-scrape is ~660 lines of which ~20 matter. The survivors go through a fast path for plain sample lines
-(``name{k="v",...} value``); anything it does not fully understand (escaped label values, timestamps,
-exemplars, a malformed line) sends the whole text to prometheus_client's parser, which stays the
-reference (a test checks both agree on a real scrape). Per-endpoint keep-alive connections avoid a TCP
-handshake per scrape. Failures are values (``Fetched.error``), never exceptions.
+Fetching: every GET of a tick is in flight at once from the calling thread (non-blocking sockets and
+one ``poll``, no thread pool to wake), on per-URL keep-alive connections (no TCP handshake per scrape),
+and responses are parsed by httptools (llhttp, the parser uvicorn uses). A stale keep-alive connection
+is retried once on a fresh one. Failures are values (``Fetched.error``), never exceptions.
+
+Parsing: only the families the collector uses are parsed: lines are pre-filtered by name first, because
+a vLLM scrape is ~660 lines of which ~20 matter. prometheus_client parses the survivors. Its parse of a
+scrape's *structure* (comment lines and sample lines with the value replaced by the line's ordinal) is
+cached, so a tick whose scrape has the same series as the last one only converts the values; a new
+series, an odd line (timestamp, exemplar, malformed) or any doubt sends the text to prometheus_client
+whole, as before.
 """
 from __future__ import annotations
 
+import errno
 import http.client
 import json
+import os
 import re
+import select
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator, Optional
 from urllib.parse import urlsplit
 
+import httptools
 from prometheus_client.parser import text_string_to_metric_families
-
 
 
 @dataclass(frozen=True)
@@ -71,38 +80,260 @@ def fetch(url: str, timeout_s: float = 0.5) -> Fetched:
         conn.close()
 
 
+_POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
+_POLLEND = select.POLLERR | select.POLLHUP
+
+
+class _Req:
+    """One GET in flight; also the httptools callback target for its response."""
+    __slots__ = ("key", "url", "addrs", "data", "sock", "reused", "sent", "got_bytes", "parser", "chunks",
+                 "framed", "headers_done", "done", "keep", "deadline")
+
+    def __init__(self, key: Any, url: str, addrs: list, data: bytes) -> None:
+        self.key, self.url, self.addrs, self.data = key, url, addrs, data
+        self.sock: Optional[socket.socket] = None
+        self.reused = False
+        self.sent = 0
+        self.deadline = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.got_bytes = False
+        self.chunks: list[bytes] = []
+        self.framed = False            # Content-Length or chunked: the body's end is known without EOF
+        self.headers_done = False
+        self.done = False
+        self.keep = False
+        self.parser = httptools.HttpResponseParser(self)
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self.keep = self.parser.should_keep_alive()     # llhttp forgets it once the message is over
+
+
 class Fetcher:
-    """Keep-alive GETs, one connection per (host, port, path); a stale connection is retried once fresh."""
+    """Keep-alive GETs, one connection per URL, many at once; a stale connection is retried once fresh.
+
+    ``fetch_all({key: url})`` runs every GET concurrently from the calling thread and returns
+    ``{key: Fetched}``; each GET has its own ``timeout_s`` (a hung endpoint costs one time-out in all).
+    ``wait = begin(urls)`` sends the requests and returns at once; ``wait()`` collects the answers, so the
+    caller can do other work (the GPU sample) while the servers answer. ``fetcher(url)`` is one GET.
+    """
 
     def __init__(self, timeout_s: float = 0.5):
         self.timeout_s = timeout_s
-        self._conns: dict[str, http.client.HTTPConnection] = {}
+        self._conns: dict[str, socket.socket] = {}
+        self._targets: dict[str, tuple[str, int, bytes]] = {}
         self._lock = threading.Lock()
+        self._buf = bytearray(262144)
+        self._view = memoryview(self._buf)
 
     def __call__(self, url: str) -> Fetched:
-        host, port, path = _split(url)
-        with self._lock:
-            conn = self._conns.pop(url, None)
-        reused = conn is not None
-        for attempt in (0, 1):
-            if conn is None:
-                conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
+        return self.fetch_all({0: url})[0]
+
+    def _target(self, url: str) -> tuple[str, int, bytes]:
+        t = self._targets.get(url)
+        if t is None:
+            host, port, path = _split(url)
+            hosthdr = f"[{host}]" if ":" in host else host
+            data = (f"GET {path} HTTP/1.1\r\nHost: {hosthdr}:{port}\r\nAccept: */*\r\n"   # as http.client
+                    "Accept-Encoding: identity\r\nConnection: keep-alive\r\n\r\n").encode("latin-1")
+            t = self._targets[url] = (host, port, data)
+        return t
+
+    def fetch_all(self, urls: dict) -> dict:
+        return self.begin(urls)()
+
+    def begin(self, urls: dict) -> Callable[[], dict]:
+        """Send every GET now; the returned function waits for the answers (call it exactly once)."""
+        self._lock.acquire()
+        try:
+            run = self._run(urls)
+            next(run)
+        except BaseException:
+            self._lock.release()
+            raise
+        done: list = []
+
+        def wait() -> dict:
+            if not done:
+                try:
+                    done.append(next(run))
+                finally:
+                    self._lock.release()
+            return done[0]
+        return wait
+
+    def _run(self, urls: dict) -> Iterator[Optional[dict]]:
+        out: dict = {}
+        buf, view = self._buf, self._view
+        poller = select.poll()
+        live: dict[int, _Req] = {}
+        timeout_s = self.timeout_s
+
+        def fail(r: _Req, e: BaseException) -> None:
+            out[r.key] = _failure(r.url, e, timeout_s)
+
+        def drop(r: _Req) -> None:
+            if r.sock is not None:
+                fd = r.sock.fileno()
+                if live.pop(fd, None) is not None:
+                    poller.unregister(fd)
+                r.sock.close()
+                r.sock = None
+
+        def start(r: _Req, fresh: bool) -> None:
+            """Send on the URL's kept connection, or connect a new one (non-blocking)."""
+            r._reset()
+            r.sent = 0
+            r.deadline = time.monotonic() + timeout_s
+            sock = None if fresh else self._conns.pop(r.url, None)
+            r.reused = sock is not None
+            if sock is None:
+                if not r.addrs:
+                    try:
+                        host, port, _ = self._target(r.url)
+                        r.addrs = [ai[:2] + (ai[4],) for ai in
+                                   socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+                    except OSError as e:
+                        fail(r, e)
+                        return
+                family, kind, addr = r.addrs[0]
+                sock = socket.socket(family, kind)
+                sock.setblocking(False)
+                rc = sock.connect_ex(addr)
+                if rc not in (0, errno.EINPROGRESS, errno.EAGAIN):
+                    sock.close()
+                    next_addr(r, OSError(rc, os.strerror(rc)))
+                    return
+                r.sock = sock
+                live[sock.fileno()] = r
+                poller.register(sock, _POLLOUT)     # writable: connected (or refused: SO_ERROR says)
+                return
+            r.sock = sock
+            live[sock.fileno()] = r
+            poller.register(sock, _POLLIN)
+            send(r)
+
+        def next_addr(r: _Req, e: OSError) -> None:
+            if isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED:
+                e = ConnectionRefusedError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
+            if len(r.addrs) > 1:             # e.g. localhost -> ::1 refused, try 127.0.0.1
+                r.addrs = r.addrs[1:]
+                start(r, fresh=True)
+                return
+            fail(r, e)
+
+        def send(r: _Req) -> None:
             try:
-                got = _get(conn, url, path, keep=True)
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError,
-                    http.client.CannotSendRequest, http.client.ResponseNotReady) as e:
-                conn.close()
-                conn = None
-                if reused and attempt == 0:       # the server closed an idle keep-alive connection
+                r.sent += r.sock.send(r.data[r.sent:])
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                drop(r)
+                if r.reused:                  # the server closed an idle keep-alive connection
+                    start(r, fresh=True)
+                else:
+                    fail(r, e)
+                return
+            poller.modify(r.sock, _POLLIN if r.sent >= len(r.data) else _POLLIN | _POLLOUT)
+
+        def finish(r: _Req) -> None:
+            keep = r.keep and r.framed
+            sock = r.sock
+            fd = sock.fileno()
+            live.pop(fd, None)
+            poller.unregister(fd)
+            r.sock = None
+            if keep:
+                old = self._conns.pop(r.url, None)
+                if old is not None:
+                    old.close()
+                self._conns[r.url] = sock
+            else:
+                sock.close()
+            status = r.parser.get_status_code()
+            body = b"".join(r.chunks).decode("utf-8", "replace")
+            out[r.key] = (Fetched(r.url, status=status, body=body) if 200 <= status < 300 else
+                          Fetched(r.url, status=status, body=body, error=f"HTTP {status}"))
+
+        def readable(r: _Req) -> None:
+            try:
+                n = r.sock.recv_into(buf)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                drop(r)
+                if r.reused and not r.got_bytes:
+                    start(r, fresh=True)
+                else:
+                    fail(r, e)
+                return
+            if not n:
+                if r.headers_done and not r.framed:        # body delimited by the close
+                    finish(r)
+                    return
+                drop(r)
+                if r.reused and not r.got_bytes:
+                    start(r, fresh=True)
+                else:
+                    fail(r, http.client.RemoteDisconnected("Remote end closed connection without response"))
+                return
+            r.got_bytes = True
+            try:
+                r.parser.feed_data(view[:n])
+            except httptools.HttpParserError as e:
+                drop(r)
+                fail(r, http.client.HTTPException(f"bad HTTP response: {e}"))
+                return
+            if r.done:
+                finish(r)
+
+        for key, url in urls.items():
+            try:
+                self._target(url)
+            except ValueError as e:          # e.g. a non-numeric port
+                out[key] = _failure(url, e, timeout_s)
+                continue
+            start(_Req(key, url, [], self._target(url)[2]), fresh=False)
+        yield None                            # requests are out: the caller may work while servers answer
+
+        while live:
+            now = time.monotonic()
+            for r in [r for r in live.values() if r.deadline <= now]:
+                drop(r)
+                out[r.key] = Fetched(r.url, error=f"no answer within {timeout_s:g}s")
+            if not live:
+                break
+            wait = min(r.deadline for r in live.values()) - now
+            for fd, ev in poller.poll(max(1, int(wait * 1000 + 0.999))):
+                r = live.get(fd)
+                if r is None:
                     continue
-                return _failure(url, e, self.timeout_s)
-            except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                return _failure(url, e, self.timeout_s)
-            with self._lock:
-                self._conns[url] = conn
-            return got
-        return Fetched(url, error="unreachable")
+                if r.sent == 0 and not r.reused and ev & (_POLLOUT | _POLLEND) and not r.got_bytes:
+                    err = r.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if err:
+                        drop(r)
+                        next_addr(r, OSError(err, os.strerror(err)))
+                        continue
+                if ev & _POLLOUT and r.sent < len(r.data):
+                    send(r)
+                    if r.sock is None or r.key in out:
+                        continue
+                if ev & (_POLLIN | _POLLEND):
+                    readable(r)
+        yield out
 
     def close(self) -> None:
         with self._lock:
@@ -117,8 +348,10 @@ _FILTERS: dict[frozenset, "re.Pattern[str]"] = {}
 def _filter_for(wanted: frozenset) -> "re.Pattern[str]":
     pat = _FILTERS.get(wanted)
     if pat is None:
-        alts = "|".join(re.escape(n) for n in sorted(wanted, key=len, reverse=True))
-        pat = re.compile(rf"\n((?:# TYPE )?(?:{alts})(?:_total|_bucket|_sum|_count)?[{{ ][^\n]*)")
+        names = sorted(wanted, key=len, reverse=True)
+        common = os.path.commonprefix(names)          # "vllm:": matched once, not once per alternative
+        alts = "|".join(re.escape(n[len(common):]) for n in names)
+        pat = re.compile(rf"\n((?:# TYPE )?{re.escape(common)}(?:{alts})(?:_total|_bucket|_sum|_count)?[{{ ][^\n]*)")
         _FILTERS[wanted] = pat
     return pat
 
@@ -138,10 +371,10 @@ def prefilter(text: str, wanted: frozenset) -> str:
 class Metrics:
     """Parsed samples: family name -> list of (sample name, labels, value)."""
     families: dict = field(default_factory=dict)
+    names: frozenset = field(init=False, repr=False, compare=False)
 
-    @property
-    def names(self) -> frozenset:
-        return frozenset(self.families)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", frozenset(self.families))
 
     def total(self, family: str, suffix: str = "", **match: str) -> float | None:
         """Sum of one family's samples (``suffix``: "_total", "_sum", "_count", "" for gauges)."""
@@ -149,7 +382,10 @@ class Metrics:
         if samples is None:
             return None
         want = family + suffix
-        vals = [v for n, lab, v in samples if n == want and all(lab.get(k) == x for k, x in match.items())]
+        if match:
+            vals = [v for n, lab, v in samples if n == want and all(lab.get(k) == x for k, x in match.items())]
+        else:
+            vals = [v for n, lab, v in samples if n == want]
         return sum(vals) if vals else None
 
     def by_label(self, family: str, label: str, suffix: str = "") -> dict[str, float]:
@@ -176,71 +412,83 @@ class Metrics:
         return out or None
 
 
-_SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^{}\\]*)\})?[ \t]+([^ \t]+)[ \t]*')
-_LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"([^"\\]*)"[ \t]*(?:,|$)')
-_TYPES = {"counter", "gauge", "histogram", "summary", "untyped", "info", "stateset", "gaugehistogram", "unknown"}
-_FAMILY_SUFFIX = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
-                  "summary": ("_sum", "_count"), "info": ("_info",)}
+# structure of a scrape -> (family names in order, per sample line: (family, sample name, labels)), or
+# None when prometheus_client must see the real text (timestamps, exemplars, unparsable lines)
+_TEMPLATES: dict[str, Optional[tuple]] = {}
+_MAX_TEMPLATES = 256
 
 
-def fast_parse(text: str) -> dict | None:
-    """Plain exposition lines only; None when anything needs the reference parser."""
-    fams: dict[str, list] = {}
-    types: dict[str, tuple[str, str]] = {}      # sample-name prefix -> (family, type)
-    for line in text.split("\n"):
-        if not line:
-            continue
-        if line[0] == "#":
-            tok = line.split()
-            if len(tok) >= 4 and tok[1] == "TYPE":
-                name, typ = tok[2], tok[3]
-                if typ not in _TYPES:
+def _template(skeleton: str, n: int) -> Optional[tuple]:
+    """prometheus_client's parse of a skeleton whose i-th sample line carries the value ``i``."""
+    fams: list[str] = []
+    slots: list = [None] * n
+    try:
+        for fam in text_string_to_metric_families(skeleton):
+            fams.append(fam.name)
+            for smp in fam.samples:
+                i = smp.value
+                if (smp.timestamp is not None or getattr(smp, "exemplar", None) is not None
+                        or type(i) is not int or not 0 <= i < n or slots[i] is not None):
                     return None
-                fam = name[:-6] if typ == "counter" and name.endswith("_total") else name
-                types[fam] = (fam, typ)
-                fams.setdefault(fam, [])
-            continue
-        m = _SAMPLE.fullmatch(line)
-        if m is None:
-            return None
-        name, raw_labels, raw_value = m.groups()
-        labels: dict[str, str] = {}
-        if raw_labels:
-            used = 0
-            for lm in _LABEL.finditer(raw_labels):
-                if lm.start() != used:
-                    return None
-                labels[lm.group(1)] = lm.group(2)
-                used = lm.end()
-            if raw_labels[used:].strip():
-                return None
-        try:
-            value = float(raw_value)
-        except ValueError:
-            return None
-        fam = name
-        if name not in types:
-            for f, (_, typ) in ((name[: -len(s)], types.get(name[: -len(s)], ("", ""))) for s in
-                                ("_total", "_bucket", "_sum", "_count", "_info") if name.endswith(s)):
-                if typ and name[len(f):] in _FAMILY_SUFFIX.get(typ, ()):
-                    fam = f
-                    break
-        fams.setdefault(fam, []).append((name, labels, value))
-    return fams
+                slots[i] = (fam.name, smp.name, dict(smp.labels))
+    except (ValueError, TypeError, IndexError, KeyError):
+        return None
+    if any(x is None for x in slots):
+        return None
+    return tuple(fams), tuple(slots)
 
 
 def parse_metrics(text: str, wanted: frozenset | None = None) -> Metrics | str:
-    """Parse Prometheus text; returns the error text instead of raising on malformed input."""
+    """Parse Prometheus text; returns the error text instead of raising on malformed input.
+
+    Each sample line is split into its series (``name{labels}``) and its value (the last field). The
+    series part of every line, with the comment lines, is the scrape's structure; prometheus_client parses
+    it once per new structure (value = line ordinal, so its answer maps back to lines whatever it does with
+    families), and each tick only converts the values. Anything unusual goes to ``reference_parse``.
+    """
     if wanted is not None:
-        text = prefilter(text, wanted)
-    quick = fast_parse(text)
-    if quick is not None:
-        return Metrics(quick)
-    return reference_parse(text)
+        lines = _filter_for(wanted).findall("\n" + text)
+        text = "\n".join(lines) + "\n"          # what prefilter() returns, for the fallback
+    else:
+        lines = text.split("\n")
+    skel: list[str] = []
+    values: list[str] = []
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        if line[0] == "#":
+            skel.append(line)
+            continue
+        cut = max(line.rfind(" "), line.rfind("\t"))
+        if cut <= 0:
+            return reference_parse(text)
+        skel.append(f"{line[:cut].rstrip()} {len(values)}")
+        values.append(line[cut + 1:])
+    key = "\n".join(skel)
+    tpl = _TEMPLATES.get(key, False)
+    if tpl is False:
+        tpl = _template(key + "\n", len(values))
+        if len(_TEMPLATES) >= _MAX_TEMPLATES:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = tpl
+    if tpl is None:
+        return reference_parse(text)
+    names, slots = tpl
+    try:
+        nums = [float(v) for v in values]
+    except ValueError:
+        return reference_parse(text)
+    if any("_" in v for v in values):                 # float() takes 1_000, Prometheus does not
+        return reference_parse(text)
+    fams: dict[str, list] = {n: [] for n in names}
+    for (fam, name, labels), v in zip(slots, nums):
+        fams[fam].append((name, dict(labels), v))
+    return Metrics(fams)
 
 
 def reference_parse(text: str) -> Metrics | str:
-    """prometheus_client's own text parser (the fallback and the reference for the fast path)."""
+    """prometheus_client's own text parser over the whole text (the fallback, and the reference)."""
     fams: dict[str, list] = {}
     try:
         for fam in text_string_to_metric_families(text):

@@ -95,6 +95,33 @@ def _idle_power(name: str) -> tuple[float, float]:
     return 0.0, 0.0
 
 
+def _state_files(state_dir: Path) -> list[str]:
+    """``state_dir/gpu-*.json``, sorted (os.scandir: no pathlib objects on the collector's 1 Hz path)."""
+    try:
+        with os.scandir(state_dir) as it:
+            return sorted(e.path for e in it if e.name.startswith("gpu-") and e.name.endswith(".json"))
+    except OSError:
+        return []
+
+
+# path -> ((inode, mtime ns, size), sample): engines rewrite by rename, so an unchanged file is not re-parsed
+_PARSED: dict[str, tuple[tuple, GpuSample]] = {}
+
+
+def _read_state(path: str) -> GpuSample:
+    st = os.stat(path)
+    key = (st.st_ino, st.st_mtime_ns, st.st_size)
+    hit = _PARSED.get(path)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with open(path, "rb") as f:
+        s = GpuSample.from_json(json.loads(f.read()))
+    if len(_PARSED) >= 1024:
+        _PARSED.clear()
+    _PARSED[path] = (key, s)
+    return s
+
+
 def read_samples(state_dir: Path = C.TWIN_STATE_DIR, inventory=None, files: Optional[Iterable[Path]] = None,
                  stale_s: float = STALE_S) -> list[GpuSample]:
     """Samples for every GPU: from state files (``files`` or ``state_dir/gpu-*.json``), idle otherwise.
@@ -102,12 +129,12 @@ def read_samples(state_dir: Path = C.TWIN_STATE_DIR, inventory=None, files: Opti
     ``inventory`` (an ``appliance.inventory.Inventory``, e.g. ``detect("twin:4xH200")``) fixes the GPU list;
     without it, one sample per readable file. Unreadable or stale files are skipped (the GPU reads idle).
     """
-    paths = list(files) if files is not None else sorted(Path(state_dir).glob("gpu-*.json"))
+    paths = [str(p) for p in files] if files is not None else _state_files(state_dir)
     now = time.time()
     by_index: dict[int, GpuSample] = {}
     for p in paths:
         try:
-            s = GpuSample.from_json(json.loads(Path(p).read_text()))
+            s = _read_state(p)
         except (OSError, ValueError, KeyError, TypeError, IndexError):
             continue
         if now - s.updated_at > stale_s:

@@ -254,3 +254,59 @@ def test_twin_gpu_state_files_are_read_through_the_twin_sampler(stack, tmp_path)
     assert (g0.util_pct, g0.instance) == (0.0, "prefill-0")   # no state file: idle
     assert (g1.util_pct, g1.temp_c, g1.instance) == (63.0, 55.0, "decode-0")
     assert g1.processes[0].pid == 4242 and g1.processes[0].owner == "decode-0"
+
+
+def test_prefiltered_parse_gives_the_same_snapshot_as_prometheus_client_on_whole_scrapes(stack, monkeypatch):
+    """The collector parses only the families it reads; a collector fed prometheus_client's parse of the
+    whole scrape (real vLLM 0.32 text) must build the very same Snapshot."""
+    from appliance.collector import collector as col
+    from appliance.collector.scrape import reference_parse
+    plan, ep = stack
+
+    class Clock:
+        now = 1_000.0
+        monotonic = staticmethod(time.monotonic)
+
+        def time(self) -> float:
+            return self.now
+    clock = Clock()
+    monkeypatch.setattr(col, "time", clock)
+    a, b = collector(plan), collector(plan)
+
+    def whole(f, wanted):
+        if not f.ok:
+            return NA(f"{f.url}: {f.error}")
+        m = reference_parse(f.body)
+        return NA(f"{f.url}: {m}") if isinstance(m, str) else m
+    b._metrics = whole
+    assert a.tick() == b.tick()
+    ep["p"].set("/metrics", vllm_metrics(prefix_q=1500, prefix_h=550, ext_q=1500, ext_h=0, prompt=1500, gen=20))
+    ep["d"].set("/metrics", vllm_metrics(prefix_q=1500, prefix_h=0, ext_q=1500, ext_h=500, prompt=1500, gen=700,
+                                         running=3, waiting=1, kv=0.25))
+    ep["kv"].set("/metrics", lmcache_metrics(requested=11_000, hit=1_800))
+    ep["px"].set("/metrics", proxy_metrics(110, [3.0] * 100 + [0.07] * 10, {"short_prompt": 5}))
+    clock.now += 2.0
+    sa, sb = a.tick(), b.tick()
+    assert sa == sb
+    assert sa.workers[0].local_hit_rate == pytest.approx(0.9) and sa.kv.hit_rate == pytest.approx(0.8)
+    a.close()
+    b.close()
+
+
+def test_history_keeps_the_known_values_of_the_last_history_len_ticks(stack):
+    """Same as a ring of the last ``history_len`` raw values filtered to the known ones (NA gaps dropped)."""
+    from collections import deque
+    plan, ep = stack
+    c = collector(plan, history_len=3)
+    ring: deque = deque(maxlen=3)
+    body = ep["px"].routes["/metrics"]
+    for i in range(7):
+        if i == 3:
+            ep["px"].routes.pop("/metrics")          # one tick without proxy metrics: NA, a gap
+        elif i == 4:
+            ep["px"].routes["/metrics"] = body
+        s = c.tick()
+        ring.append(s.proxy.req_per_s)
+        assert s.history["req_per_s"] == tuple(float(x) for x in ring if not is_na(x)), i
+    assert is_na(ring[0]) is False and len(s.history["req_per_s"]) == 3
+    c.close()

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,20 +147,74 @@ def _canon(fams: dict) -> dict:
     return {k: sorted((n, tuple(sorted(lab.items())), v) for n, lab, v in vals) for k, vals in fams.items()}
 
 
-def test_fast_parser_agrees_with_prometheus_client_on_a_real_scrape():
-    from appliance.collector.scrape import fast_parse, parse_metrics, prefilter, reference_parse
+def test_cached_parse_agrees_with_prometheus_client_on_a_real_scrape():
+    from appliance.collector import collector as col
+    from appliance.collector.scrape import _TEMPLATES, parse_metrics, prefilter, reference_parse
     text = (FIX / "vllm_cpu_0.32.txt").read_text()
-    fast = fast_parse(text)
-    assert fast is not None and len(fast) > 80
-    assert _canon(fast) == _canon(reference_parse(text).families)
-    for t in (lmcache_metrics(10, 5, evicted=2), proxy_metrics(3, [0.1, 2.0], {"short": 1})):
-        assert _canon(fast_parse(t)) == _canon(reference_parse(t).families)
-    # what it does not fully understand goes to the reference parser
+    whole = parse_metrics(text)
+    assert len(whole.families) > 80
+    assert whole.families == reference_parse(text).families
+    for wanted in (col._W_WANTED, col._K_WANTED, col._P_WANTED, None):
+        for t in (text, lmcache_metrics(10, 5, evicted=2), proxy_metrics(3, [0.1, 2.0], {"short": 1})):
+            ref = reference_parse(prefilter(t, wanted) if wanted is not None else t)
+            assert parse_metrics(t, wanted).families == ref.families
+    # same series, new values: the cached structure is reused and the values are the new ones
+    a = proxy_metrics(3, [0.1, 2.0], {"short": 1})
+    b = proxy_metrics(7, [0.1, 2.0, 0.3, 0.4, 5.0, 0.2, 0.1], {"short": 4})
+    n = len(_TEMPLATES)
+    assert parse_metrics(b).families == reference_parse(b).families
+    assert parse_metrics(a).families == reference_parse(a).families and len(_TEMPLATES) == n
+    # what the cached path does not fully understand goes to prometheus_client whole
     escaped = '# TYPE m gauge\nm{path="a\\"b"} 1.0\n'
-    assert fast_parse(escaped) is None
     assert parse_metrics(escaped).families["m"][0][1] == {"path": 'a"b'}
+    spaced = '# TYPE m gauge\nm{path="a b} c"} 2.5\n'
+    assert parse_metrics(spaced).families == reference_parse(spaced).families
+    stamped = '# TYPE m_total counter\nm_total{a="x"} 3 1700000000000\n'
+    assert parse_metrics(stamped).families == reference_parse(stamped).families == {"m": [("m_total", {"a": "x"}, 3.0)]}
+    quirk = '# TYPE m counter\nm_total{a="x"} 3\n'          # prometheus_client makes m_total its own family
+    assert parse_metrics(quirk).families == reference_parse(quirk).families
+    odd = '# TYPE m gauge\nm 1_000\n'
+    assert isinstance(parse_metrics(odd), str) and isinstance(reference_parse(odd), str)
+    assert parse_metrics("# TYPE m gauge\nm NaN\nm2 +Inf\n").families.keys() == {"m", "m2"}
+    assert isinstance(parse_metrics("garbage{{{ 1\n"), str)
     kept = prefilter(text, frozenset({"vllm:num_requests_waiting"}))
     assert "waiting_by_reason" not in kept and "vllm:num_requests_waiting{" in kept and "# HELP" not in kept
+
+
+def test_prefilter_keeps_every_family_the_collector_reads():
+    from appliance.collector import collector as col
+    from appliance.collector import names as N
+    from appliance.collector.scrape import parse_metrics, reference_parse
+    text = (FIX / "vllm_cpu_0.32.txt").read_text()
+    full, kept = reference_parse(text), parse_metrics(text, col._W_WANTED)
+    for logical in col._W_LOGICAL:
+        name = N.resolve(N.VLLM, logical, full.names, "0.32.0")
+        assert name is not None and N.resolve(N.VLLM, logical, kept.names, "0.32.0") == name
+        assert kept.families[name] == full.families[name]
+
+
+def test_fetch_all_runs_every_get_at_once_and_reports_each_failure(endpoints):
+    from appliance.collector.scrape import Fetcher
+    ok, slow, gone = endpoints(), endpoints(), endpoints()
+    ok.set("/metrics", "# TYPE m gauge\nm 1\n")
+    ok.set("/bad", "nope", status=503)
+    slow.set("/health", "")
+    slow.hang.add("/health")
+    port = gone.port
+    gone.close()
+    f = Fetcher(0.4)
+    t0 = time.monotonic()
+    got = f.fetch_all({"a": f"http://127.0.0.1:{ok.port}/metrics", "b": f"http://127.0.0.1:{ok.port}/bad",
+                       "c": f"http://127.0.0.1:{slow.port}/health", "d": f"http://127.0.0.1:{port}/metrics",
+                       "e": f"http://localhost:{ok.port}/metrics"})
+    took = time.monotonic() - t0
+    assert got["a"].ok and got["a"].status == 200 and got["a"].body == "# TYPE m gauge\nm 1\n"
+    assert got["b"].error == "HTTP 503" and got["b"].status == 503 and got["b"].body == "nope"
+    assert got["c"].error == "no answer within 0.4s"
+    assert got["d"].error == "connection refused (not listening)"
+    assert got["e"].ok
+    assert took < 1.0                                     # one time-out for the whole batch
+    f.close()
 
 
 def test_keep_alive_fetcher_reuses_its_connection_and_survives_a_server_close():
