@@ -270,6 +270,9 @@ def main() -> int:
     ap.add_argument("--ports", help=argparse.SUPPRESS)
     ap.add_argument("--state-dir", help=argparse.SUPPRESS)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--units", action="store_true",
+                    help="create the 10 units as real transient services first (needs systemd as PID 1, e.g. "
+                         "inside `python -m tests.harness -- ...`), so `systemctl show` reports real states")
     a = ap.parse_args()
     if a.serve:
         serve(a.ports, a.state_dir)
@@ -277,6 +280,30 @@ def main() -> int:
     if a.mode:
         print(json.dumps(run_mode(a.mode, a.seconds, json.loads(Path(a.ports).read_text()), a.state_dir)))
         return 0
+    made_units: list = []
+    if a.units:
+        if not Path("/run/systemd/system").is_dir():
+            print("--units needs systemd as PID 1 (run it inside `python -m tests.harness -- ...`)", file=sys.stderr)
+            return 2
+        names = [u.unit for u in plan_for({k: 1 for k in ("kv", "px", "pxi", *(f"w{i}" for i in range(N_GPUS)))})
+                 .workers]
+        from appliance import constants as C
+        for name in [C.KV_UNIT, C.PROXY_UNIT, *names]:
+            unit = name if name.endswith(".service") else name + ".service"
+            r = subprocess.run(["systemd-run", "--quiet", f"--unit={unit}", "sleep", "infinity"],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                print(f"systemd-run {unit}: {r.stderr.strip()}", file=sys.stderr)
+                return 1
+            made_units.append(unit)
+    try:
+        return _measure(a)
+    finally:
+        for unit in made_units:
+            subprocess.run(["systemctl", "stop", unit], capture_output=True)
+
+
+def _measure(a) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="pdctl-bench-"))
     ports_file, state_dir = tmp / "ports.json", tmp / "twin"
     state_dir.mkdir()
@@ -305,7 +332,8 @@ def main() -> int:
         server.terminate()
         server.wait(timeout=10)
     pct = {m: 100 * r["cpu_s"] / r["wall_s"] for m, r in res.items()}
-    print(f"collector_cost: {N_GPUS} twin GPUs, 10 units, 1 Hz, {a.seconds:g} s per mode, "
+    units = "10 real units under systemd" if a.units else "10 units (systemctl against this host)"
+    print(f"collector_cost: {N_GPUS} twin GPUs, {units}, 1 Hz, {a.seconds:g} s per mode, "
           f"{os.cpu_count()} CPUs")
     print(f"  (a) collector alone      {pct['collector']:5.2f} % of one core   (target <= 1 %)  "
           f"ticks {res['collector']['ticks']}  check {res['collector']['check']}")

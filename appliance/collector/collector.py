@@ -63,7 +63,7 @@ class Collector:
     def __init__(self, plan: Any, gpu_sampler: Optional[GpuSampler] = None, interval: float = 1.0, *,
                  units: Optional[UnitSource] = None, window_s: float = 10.0, timeout_s: float = 0.5,
                  slo_ttft_s: Optional[float] = None, history_len: int = 120, max_parallel: int = 8,
-                 units_every: int = 5):
+                 units_every: int = 5, units_steady_every: int = 15):
         self.plan = plan
         self.sampler = gpu_sampler if gpu_sampler is not None else default_sampler(plan)
         self.interval = interval
@@ -83,6 +83,7 @@ class Collector:
         self._unit_names: list[str] = []
         self._tick = 0
         self.units_every = max(1, units_every)
+        self.units_steady_every = max(self.units_every, units_steady_every)
         self._states: dict = {}
         self._got: dict = {}
         self._last_errors: frozenset = frozenset()
@@ -210,12 +211,18 @@ class Collector:
 
     # -- helpers -----------------------------------------------------------------------------------
     def _unit_states(self, got: dict) -> dict:
-        """``systemctl show`` every ``units_every`` ticks (a process spawn is most of a tick's CPU), and
-        at once whenever the set of failing endpoints changes, so a crash shows its unit state promptly."""
+        """``systemctl show`` (a process spawn: a third of the collector's CPU) every ``units_every`` ticks
+        while anything is starting, failing or restarting; every ``units_steady_every`` ticks while every unit
+        is active/running and every endpoint answers (nothing there changes without an endpoint noticing: a
+        stop, crash or restart fails its /health or /metrics first); and at once whenever the set of failing
+        endpoints changes, so a crash shows its unit state promptly."""
         errors = frozenset(k for k, f in got.items() if not f.ok and not k.startswith("px_status"))
         self._endpoints()
         names = list(self._unit_names)
-        if self._states and errors == self._last_errors and self._tick % self.units_every:
+        steady = not errors and bool(self._states) and all(
+            s.active == "active" and s.sub == "running" for s in self._states.values())
+        every = self.units_steady_every if steady else self.units_every
+        if self._states and errors == self._last_errors and self._tick % every:
             return self._states
         self._last_errors = errors
         try:

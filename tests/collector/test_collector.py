@@ -237,6 +237,39 @@ def test_health_is_polled_every_few_ticks_and_at_once_when_a_scrape_fails(stack)
     assert s.workers[1].health == "unhealthy (HTTP 503)" and s.overall == "degraded"
 
 
+class CountingUnits:
+    """A unit source that says every unit is active/running (or ``state``) and counts the calls."""
+
+    def __init__(self):
+        self.calls, self.state = 0, ("active", "running")
+
+    def states(self, units):
+        from appliance.collector.snapshot import UnitState
+        self.calls += 1
+        return {u: UnitState(u, self.state[0], self.state[1], 0, "serving", 1, 0.0) for u in units}
+
+
+def test_unit_states_are_read_less_often_while_everything_is_steady(stack):
+    """systemctl every 15th tick while all units run and all endpoints answer, every 5th while a unit is
+    not running, and at once when an endpoint starts failing."""
+    plan, ep = stack
+    units = CountingUnits()
+    c = collector(plan, units=units, units_every=5, units_steady_every=15)
+    for _ in range(30):
+        c.tick()
+    assert units.calls == 2                                   # ticks 0 and 15
+    units.state = ("activating", "start")                     # read on tick 30: not steady any more
+    for _ in range(10):
+        c.tick()
+    assert units.calls == 2 + 2                               # ticks 30 and 35
+    units.state = ("active", "running")
+    c.tick()
+    calls = units.calls
+    ep["d"].routes.pop("/metrics")                            # an endpoint fails: read at once
+    c.tick()
+    assert units.calls == calls + 1
+
+
 def test_twin_gpu_state_files_are_read_through_the_twin_sampler(stack, tmp_path):
     from appliance.collector import twin_sampler
     from appliance.inventory import detect
