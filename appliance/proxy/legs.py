@@ -53,6 +53,18 @@ def _kv_params(raw: bytes, label: str):
     return ans.get("kv_transfer_params")
 
 
+async def _post_whole(b, path: str, data: bytes, headers: dict, timeout: float) -> tuple:
+    """POST and read the whole answer on ``b``'s pool: (status, content type, body)."""
+    conn = await b.pool.request("POST", path, data, headers, timeout, b.pending)
+    status, ctype = conn.status, conn.headers.get("content-type", "application/json")
+    try:
+        raw = await conn.read_all(timeout)
+    finally:
+        b.pending.discard(conn)
+        conn.release()
+    return status, ctype, raw
+
+
 class LegFailure(Exception):
     """The backend failed this leg (5xx, broken answer): blame it and try another."""
 
@@ -134,13 +146,7 @@ class Legs:
 
         async def call(b):
             t0 = time.monotonic()
-            conn = await b.pool.request("POST", path, data, headers, timeout, b.pending)
-            status, ctype = conn.status, conn.headers.get("content-type", "application/json")
-            try:
-                raw = await conn.read_all(timeout)
-            finally:
-                b.pending.discard(conn)
-                conn.release()
+            status, ctype, raw = await _post_whole(b, path, data, headers, timeout)
             if status >= 500:
                 raise LegFailure(f"{b.label}: prefill answered HTTP {status}: {raw[:160]!r}")
             if status != 200:
@@ -212,13 +218,7 @@ class Legs:
             return min(ok, key=lambda b: b.inflight, default=None)
 
         async def call(b):
-            conn = await b.pool.request("POST", path, data, headers, timeout, b.pending)
-            status, ctype = conn.status, conn.headers.get("content-type", "application/json")
-            try:
-                raw = await conn.read_all(timeout)
-            finally:
-                b.pending.discard(conn)
-                conn.release()
+            status, ctype, raw = await _post_whole(b, path, data, headers, timeout)
             if status >= 500:
                 raise LegFailure(f"{b.label}: {path} answered HTTP {status}: {raw[:160]!r}")
             return Passthrough(status, raw, ctype)

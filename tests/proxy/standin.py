@@ -93,20 +93,28 @@ class Engine:
         except Exception:  # noqa: BLE001 - a stand-in: telemetry is best effort, as in LMCache
             pass
 
-    async def tokenize(self, request):
-        """vLLM's /tokenize shape; one id per whitespace-separated word (enough for routing tests)."""
-        body = await request.json()
-        self.log.append({"path": request.path, "rid": request.headers.get("X-Request-Id", "none"), "body": body,
-                         "auth": request.headers.get("Authorization"), "t": time.time()})
+    async def faults_and_model(self, body: dict, model_required: bool):
+        """The fault modes every engine route shares, then vLLM's 404 for a model it does not serve."""
         if self.mode == "crash":
             os._exit(3)
         await self.hang_if("hang_gen", "hang_all")
         if self.mode == "error500":
             return web.json_response({"error": {"message": "engine broke", "type": "InternalServerError"}},
                                      status=500)
-        if "model" in body and body["model"] != MODEL:
+        if (model_required or "model" in body) and body.get("model") != MODEL:
             return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist.",
                                                 "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
+        return None
+
+    async def tokenize(self, request):
+        """vLLM's /tokenize shape; one id per whitespace-separated word (enough for routing tests)."""
+        body = await request.json()
+        self.log.append({"path": request.path, "rid": request.headers.get("X-Request-Id", "none"), "body": body,
+                         "auth": request.headers.get("Authorization"), "t": time.time()})
+        refused = await self.faults_and_model(body, model_required=False)
+        if refused is not None:
+            return refused
+
         def words(c):
             return c if isinstance(c, str) else " ".join(p.get("text", "") for p in c or [] if isinstance(p, dict))
         text = body.get("prompt") if "prompt" in body else " ".join(words(m.get("content")) for m in body["messages"])
@@ -120,19 +128,13 @@ class Engine:
         rid = request.headers.get("X-Request-Id", "none")
         self.log.append({"path": request.path, "rid": rid, "body": body, "t": time.time()})
         del self.log[:-500]
-        if self.mode == "crash":
-            os._exit(3)
-        await self.hang_if("hang_gen", "hang_all")
-        if self.mode == "error500":
-            return web.json_response({"error": {"message": "engine broke", "type": "InternalServerError"}},
-                                     status=500)
-        if self.mode == "die_before_first":
+        if self.mode == "die_before_first":      # modes are exclusive: no other fault applies
             request.transport.abort()
             await asyncio.sleep(0.05)
             return web.Response()
-        if body.get("model") != MODEL:
-            return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist.",
-                                                "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
+        refused = await self.faults_and_model(body, model_required=True)
+        if refused is not None:
+            return refused
         prefix = "chatcmpl" if chat else "cmpl"
         vid = f"{prefix}-{rid}-0-8d6b96cd"
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 4)
