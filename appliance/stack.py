@@ -14,12 +14,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import constants as C
 from .inventory import detect
+from .localproc import wait_http
 from .models import resolve as resolve_model
 from .plan import Plan
 from .planner import Overrides, Workload, make_plan
@@ -101,20 +100,18 @@ class Stack:
         return self
 
     def wait_http(self, url: str, timeout: float, what: str) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            for name, pr in self.procs.items():
-                if pr.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {pr.returncode} while waiting for {what}; log: "
-                                       f"{self.logs[name]}\n{self.tail(name)}")
-            try:
-                with urllib.request.urlopen(url, timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{what} not ready within {timeout:.0f} s ({url})")
+        names = {pr.pid: name for name, pr in self.procs.items()}
+
+        def died(pr) -> str:
+            name = names[pr.pid]
+            return (f"{name} exited with {pr.returncode} while waiting for {what}; log: {self.logs[name]}\n"
+                    f"{self.tail(name)}")
+        try:
+            wait_http(url, timeout, self.procs.values(), died, interval=0.2)
+        except RuntimeError as e:
+            if "did not answer" in str(e):
+                raise RuntimeError(f"{what} not ready within {timeout:.0f} s ({url})") from None
+            raise
 
     def tail(self, name: str, lines: int = 20) -> str:
         try:

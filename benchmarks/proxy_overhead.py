@@ -19,15 +19,15 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from appliance.localproc import free_port, stop_all, wait_http  # noqa: E402  (after the path)
 MODEL = "tiny"
 TOKENS = 4
 
@@ -201,34 +201,15 @@ def summarize(slices: list) -> dict:
 
 # ----------------------------------------------------------------------------- orchestration
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _wait_http(url: str, timeout: float = 30.0, proc=None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer 200 within {timeout} s")
+    wait_http(url, timeout, [proc] if proc is not None else ())
 
 
 def _stop(proc) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    stop_all([proc], grace=10)
 
 
 def _router_bin() -> str | None:

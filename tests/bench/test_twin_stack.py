@@ -7,21 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
+
+from appliance.localproc import free_port, stop_all, wait_http
 
 from .conftest import REPO, pdctl
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:
@@ -40,27 +36,13 @@ class Stack:
         deadline = time.monotonic() + timeout
         while self.ready:
             name, url = self.ready.pop(0)
-            while True:
-                try:
-                    with urllib.request.urlopen(url, timeout=1) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                    raise RuntimeError(f"{name} not ready: {(self.tmp / f'{name}.log').read_text()[-2000:]}")
-                time.sleep(0.1)
+            try:
+                wait_http(url, max(0.0, deadline - time.monotonic()), self.procs)
+            except RuntimeError:
+                raise RuntimeError(f"{name} not ready: {(self.tmp / f'{name}.log').read_text()[-2000:]}") from None
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(self.procs, grace=10)
 
 
 @pytest.fixture

@@ -4,33 +4,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from appliance.localproc import free_port  # noqa: F401  (re-exported for the fleet tests)
+from appliance.localproc import wait_http as _wait_http
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}: {log.read_text()[-2000:] if log else ''}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not up within {timeout:.0f} s")
+    """Until ``url`` answers 200; the router's log tail in the error when it exits first."""
+    _wait_http(url, timeout, [proc] if proc is not None else (),
+               lambda p: f"process exited with {p.returncode}: {log.read_text()[-2000:] if log else ''}",
+               interval=0.2)
 
 
 def start_router(fleet_file: Path, log: Path, prefix: list | None = None) -> subprocess.Popen:

@@ -10,16 +10,12 @@ import threading
 import time
 from pathlib import Path
 
+from appliance.localproc import free_port
 from appliance.plan import KVServerPlan, Plan, ProxyPlan, WorkerPlan
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class NotifyListener:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
+from appliance.localproc import free_port
 from appliance.plan import KVServerPlan, Plan, ProxyPlan, WorkerPlan
 from appliance.proxy.cli import serve_plan
 from appliance.proxy.config import from_plan
@@ -23,10 +24,6 @@ from appliance.proxy.config import from_plan
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_plan(prefill_ports, decode_ports, port, internal, telemetry=True) -> Plan:

@@ -2,22 +2,17 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+from appliance.localproc import free_port, stop_all, wait_http
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Procs:
@@ -30,17 +25,14 @@ class Procs:
         p = subprocess.Popen([sys.executable, "-m", "appliance.twin.cli", "twin", *args], cwd=ROOT,
                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.procs.append(p)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if p.poll() is not None:
-                raise RuntimeError(f"twin {args[0]} exited {p.returncode}: {(self.tmp / log.name).read_text()}")
-            try:
-                if httpx.get(ready_url, timeout=0.5).status_code == 200:
-                    return p
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"twin {args[0]} not ready at {ready_url}")
+        try:
+            wait_http(ready_url, timeout, [p], lambda q: f"twin {args[0]} exited {q.returncode}: "
+                                                        f"{(self.tmp / log.name).read_text()}")
+        except RuntimeError as e:
+            if "did not answer" in str(e):
+                raise RuntimeError(f"twin {args[0]} not ready at {ready_url}") from None
+            raise
+        return p
 
     def kvserver(self, l1_gb: float = 10.0) -> tuple[int, int]:
         zp, hp = free_port(), free_port()
@@ -59,15 +51,7 @@ class Procs:
         return port, p
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(self.procs)
 
 
 @pytest.fixture
