@@ -116,8 +116,18 @@ class Engine:
             return refused
 
         def words(c):
-            return c if isinstance(c, str) else " ".join(p.get("text", "") for p in c or [] if isinstance(p, dict))
-        text = body.get("prompt") if "prompt" in body else " ".join(words(m.get("content")) for m in body["messages"])
+            if isinstance(c, str) or c is None:
+                return c or ""
+            texts = [p.get("text", "") for p in c if isinstance(p, dict)]
+            if not all(isinstance(t, str) for t in texts):      # vLLM's request validation: a 400
+                raise ValueError("a content part's text must be a string")
+            return " ".join(texts)
+        try:
+            text = body.get("prompt") if "prompt" in body else " ".join(words(m.get("content"))
+                                                                        for m in body["messages"])
+        except ValueError as e:
+            return web.json_response({"error": {"message": str(e), "type": "BadRequestError", "param": "messages",
+                                                "code": 400}}, status=400)
         ids = [sum(map(ord, w)) % 50000 for w in str(text).split()]
         return web.json_response({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids})
 

@@ -101,6 +101,9 @@ async def test_render_bad_input_is_a_4xx_in_openai_shape(fresh, proxy_factory):
     for path, body, param in cases:
         got, raw = await send(px.url, path, json.dumps(body).encode())
         assert got == 400 and shape(raw)["param"] == param, (path, body, raw)
+    bad_part = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+    got, raw = await send(px.url, "/v1/chat/completions/render", json.dumps(bad_part).encode())
+    assert got == 400 and shape(raw)["param"] == "messages"          # the engine's own 4xx, passed through
     got, raw = await send(px.url, "/v1/completions/render", json.dumps({"model": "nope", "prompt": "x"}).encode())
     assert got == 404 and shape(raw)["code"] == "model_not_found"
     fresh["p0"].mode("error500")
