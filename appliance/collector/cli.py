@@ -27,28 +27,43 @@ def _plan(config: Path) -> Any:
     return load_plan(config)
 
 
-def _fleet_view(args: argparse.Namespace):
-    """On a fleet front node (a fleet plan next to the settings): every box, read over HTTP with the API key."""
-    fleet_file = Path(args.config).parent / C.FLEET_PLAN.name
+def _front_node(config: Path):
+    """On a fleet front node (a fleet plan next to the settings): (FleetPlan, API key or None); else None.
+    Raises FleetError for a fleet plan that does not load."""
+    fleet_file = Path(config).parent / C.FLEET_PLAN.name
     if not fleet_file.exists():
         return None
     from appliance.fleet.install import load_fleet
-    from appliance.fleet.status import collect
     key = None
-    key_file = _settings_value(args.config, "proxy", "api_key_file")
+    key_file = _settings_value(config, "proxy", "api_key_file")
     if key_file:
         try:
             key = Path(key_file).read_text().strip()
-        except OSError:
-            key = None
-    return collect(load_fleet(fleet_file), api_key=key, timeout=max(args.timeout, 1.0))
+        except OSError as e:
+            print(f"pdctl: [proxy] api_key_file {key_file}: {e.strerror or e}; reading the boxes without a key "
+                  "(their /pdctl/status answers 401)", file=sys.stderr)
+    return load_fleet(fleet_file), key
+
+
+def _has_plan(config: Path) -> bool:
+    """A box plan beside the settings (or the settings are a plan): not a pure front node."""
+    return Path(config).with_name("plan.json").exists() or Path(config).suffix == ".json"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from appliance.collector import collect_once
     from appliance.status import render_json, render_text
-    fleet = _fleet_view(args)
-    has_plan = Path(args.config).with_name("plan.json").exists() or Path(args.config).suffix == ".json"
+    from appliance.fleet.plan import FleetError
+    try:
+        front = _front_node(args.config)
+    except FleetError as exc:
+        print(f"pdctl status: {exc}", file=sys.stderr)
+        return EXIT_BAD
+    fleet = None
+    if front is not None:
+        from appliance.fleet.status import collect
+        fleet = collect(front[0], api_key=front[1], timeout=max(args.timeout, 1.0))
+    has_plan = _has_plan(args.config)
     if fleet is not None and not has_plan:     # a pure front node: only the fleet
         from appliance.fleet.status import render_text as fleet_text
         import json as _json
@@ -64,24 +79,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK if snap.overall == "ready" else EXIT_FAIL
 
 
-def _fleet_watch(config: Path):
-    """On a fleet front node (a fleet plan next to the settings): a started background fleet source for the
-    TUI, reading every box with the API key exactly as ``pdctl status`` does; None without a fleet plan."""
-    fleet_file = Path(config).parent / C.FLEET_PLAN.name
-    if not fleet_file.exists():
-        return None
-    from appliance.fleet.install import load_fleet
-    from appliance.fleet.watch import FleetWatch
-    key = None
-    key_file = _settings_value(config, "proxy", "api_key_file")
-    if key_file:
-        try:
-            key = Path(key_file).read_text().strip()
-        except OSError:
-            key = None
-    return FleetWatch(load_fleet(fleet_file), api_key=key).start()
-
-
 def cmd_tui(args: argparse.Namespace) -> int:
     from appliance.fleet.plan import FleetError
     from tui.app import PdctlApp
@@ -90,11 +87,15 @@ def cmd_tui(args: argparse.Namespace) -> int:
         print(f"pdctl tui: --refresh must be > 0 (got {refresh})", file=sys.stderr)
         return EXIT_BAD
     try:
-        fleet = _fleet_watch(args.config)
+        front = _front_node(args.config)
     except FleetError as exc:
         print(f"pdctl tui: {exc}", file=sys.stderr)
         return EXIT_BAD
-    has_plan = Path(args.config).with_name("plan.json").exists() or Path(args.config).suffix == ".json"
+    fleet = None
+    if front is not None:         # HTTP on the watch's own thread, never the UI's
+        from appliance.fleet.watch import FleetWatch
+        fleet = FleetWatch(front[0], api_key=front[1]).start()
+    has_plan = _has_plan(args.config)
     collector = None
     try:
         if fleet is not None and not has_plan:     # a pure front node: the fleet is the dashboard

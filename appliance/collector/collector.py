@@ -62,7 +62,7 @@ class Collector:
 
     def __init__(self, plan: Any, gpu_sampler: Optional[GpuSampler] = None, interval: float = 1.0, *,
                  units: Optional[UnitSource] = None, window_s: float = 10.0, timeout_s: float = 0.5,
-                 slo_ttft_s: Optional[float] = None, history_len: int = 120, max_parallel: int = 8,
+                 slo_ttft_s: Optional[float] = None, history_len: int = 120,
                  units_every: int = 5, units_steady_every: int = 15):
         self.plan = plan
         self.sampler = gpu_sampler if gpu_sampler is not None else default_sampler(plan)
@@ -75,7 +75,6 @@ class Collector:
         # Snapshot's history tuple is one C-level copy instead of a filter over the whole ring each tick
         self._history_len = history_len
         self._history = {k: (deque(), deque()) for k in HISTORY_SERIES}      # (tick numbers, values)
-        self.max_parallel = max_parallel          # kept for callers; every GET of a tick is in flight at once
         self._fetch = Fetcher(timeout_s)
         self._urls: Optional[dict] = None
         self._urls_plan: Any = None

@@ -51,33 +51,12 @@ def _split(url: str) -> tuple[str, int, str]:
     return parts.hostname or "127.0.0.1", parts.port or 80, path
 
 
-def _get(conn: http.client.HTTPConnection, url: str, path: str, keep: bool) -> Fetched:
-    conn.request("GET", path, headers={"Accept": "*/*", "Connection": "keep-alive" if keep else "close"})
-    resp = conn.getresponse()
-    body = resp.read().decode("utf-8", "replace")
-    if not 200 <= resp.status < 300:
-        return Fetched(url, status=resp.status, body=body, error=f"HTTP {resp.status}")
-    return Fetched(url, status=resp.status, body=body)
-
-
 def _failure(url: str, e: BaseException, timeout_s: float) -> Fetched:
     if isinstance(e, ConnectionRefusedError):
         return Fetched(url, error="connection refused (not listening)")
     if isinstance(e, (socket.timeout, TimeoutError)):
         return Fetched(url, error=f"no answer within {timeout_s:g}s")
     return Fetched(url, error=f"{type(e).__name__}: {e}".rstrip(": "))
-
-
-def fetch(url: str, timeout_s: float = 0.5) -> Fetched:
-    """GET ``url`` once (loopback http only); a time-out is reported distinctly: engines bind before loading."""
-    host, port, path = _split(url)
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        return _get(conn, url, path, keep=False)
-    except (OSError, http.client.HTTPException) as e:
-        return _failure(url, e, timeout_s)
-    finally:
-        conn.close()
 
 
 _POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT

@@ -31,3 +31,19 @@ def test_front_node_status_shows_each_box(tmp_path):
         assert "ready" in line_a and "not ready" not in line_a
     finally:
         st.stop()
+
+
+def test_front_node_with_a_broken_fleet_plan_or_key_file_says_which_file(tmp_path):
+    """A fleet.json that does not load: exit 2 naming it (status and tui), no traceback. An unreadable API key
+    file: a warning naming it, and the boxes are still read (here: none answers)."""
+    (tmp_path / "pdctl.toml").write_text(f'schema_version = 1\n[proxy]\napi_key_file = "{tmp_path / "gone.key"}"\n')
+    (tmp_path / "fleet.json").write_text("{not json")
+    for cmd in (["status"], ["tui", "--screenshot", str(tmp_path / "s.svg")]):
+        r = pdctl(*cmd, "--config", str(tmp_path / "pdctl.toml"))
+        assert r.returncode == 2 and str(tmp_path / "fleet.json") in r.stderr, (cmd, r.stderr)
+        assert "Traceback" not in r.stderr
+    r = pdctl("fleet", "plan", "--node", "box-x=127.0.0.1:9", "--out", str(tmp_path / "fleet.json"))
+    assert r.returncode == 0, r.stderr
+    r = pdctl("status", "--config", str(tmp_path / "pdctl.toml"))
+    assert r.returncode == 1 and "box-x" in r.stdout, r.stdout + r.stderr
+    assert f"api_key_file {tmp_path / 'gone.key'}" in r.stderr and "Traceback" not in r.stderr
