@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from appliance.collector.snapshot import Snapshot, UnitState
+from appliance.collector.snapshot import DecisionMix, LegCounts, Snapshot, UnitState
+from appliance.decide import AGGREGATE, SPLIT
 from appliance.inventory import NA, is_na
 
 GiB = 1024 ** 3
@@ -71,6 +72,36 @@ def skipped_text(v: Any) -> str:
     return ", ".join(f"{r} {n:.0f}" for r, n in v) or "none"
 
 
+def share(v: float) -> str:
+    """A share as a whole percent; a share too small to round to 1 % still says it happened."""
+    return "<1%" if 0 < v < 0.005 else f"{100 * v:.0f}%"
+
+
+def decisions_text(mix: DecisionMix, short: bool = False) -> str:
+    """``82% aggregated (few_uncached 80%, prefill_backlog 2%), 18% split (long_uncached 18%)``, or NA.
+
+    ``short`` (a narrow screen): ``agg 82% (few_uncached 80%, ...) split 18% (long_uncached 18%)``."""
+    if is_na(mix.aggregated) or is_na(mix.reasons):
+        return "NA"
+    parts = []
+    for kind, v, word in ((AGGREGATE, mix.aggregated, "agg" if short else "aggregated"),
+                          (SPLIT, mix.split, "split")):
+        why = ", ".join(f"{r.reason} {share(r.share)}" for r in mix.reasons if r.kind == kind)
+        head = f"{word} {share(v)}" if short else f"{share(v)} {word}"
+        parts.append(f"{head} ({why})" if why else head)
+    return (" " if short else ", ").join(parts)
+
+
+def legs_text(legs: LegCounts, short: bool = False) -> str:
+    """Legs of each kind on one worker: ``full 3 / P 0 / D 1`` (``short``: ``F3 P0 D1``), or NA."""
+    vals = (legs.full, legs.prefill, legs.decode)
+    if any(is_na(v) for v in vals):
+        return "NA"
+    if short:
+        return " ".join(f"{k}{v:.0f}" for k, v in zip("FPD", vals))
+    return " / ".join(f"{k} {v:.0f}" for k, v in zip(("full", "P", "D"), vals))
+
+
 def na_notes(snap: Snapshot) -> list[str]:
     """Distinct reasons behind the NAs a reader sees, source-labelled (the 'why' of a degraded view)."""
     notes: list[str] = []
@@ -84,6 +115,9 @@ def na_notes(snap: Snapshot) -> list[str]:
     add("proxy", snap.proxy.health)
     add("proxy metrics", snap.proxy.ttft_p50_s)
     add("breakers", snap.proxy.breakers)
+    mix = snap.proxy.decisions.aggregated
+    if is_na(mix) and not any(n.endswith(": " + mix.reason) for n in notes):    # not "proxy down" again
+        add("decisions", mix)
     add("kv server", snap.kv.health)
     add("kv metrics", snap.kv.hit_rate)
     for w in snap.workers:
@@ -109,23 +143,26 @@ def render_text(snap: Snapshot) -> str:
     slo = "" if is_na(snap.slo_ttft_s) else f"  SLO {secs(snap.slo_ttft_s)}"
     out.append(f"TTFT     p50 {secs(p.ttft_p50_s)}  p95 {secs(p.ttft_p95_s)}{slo}   "
                f"PD skipped: {skipped_text(p.pd_skipped)}  retries {num(p.retries_per_s, '{:.2f}')}/s")
+    mix = p.decisions
+    why = f" ({mix.aggregated.reason})" if is_na(mix.aggregated) else f"   ({mix.decided:.0f} in the window)"
+    out.append(f"decisions {decisions_text(mix)}{why}")
     k, lay = snap.kv, snap.kv_layers
     out.append(f"KV hit   engine {pct(lay.engine_local)}  connector {pct(lay.connector)}  "
                f"kv-server {pct(lay.kv_server)}   L1 {gib(k.l1_used_bytes)}/{gib(k.l1_total_bytes)} "
                f"({pct(k.l1_usage)})  evictions {num(k.evictions_per_s, '{:.1f}')}/s")
     out.append("")
     out.append(f"{'instance':<12}{'unit':<14}{'health':<10}{'rst':>4} {'run':>4} {'wait':>5} {'kv':>5} "
-               f"{'local':>6} {'conn':>6} {'breaker':<9} gpus")
-    rows = [("kvserver", k.state, k.health, "", "", "", "", "", "", "")]
+               f"{'local':>6} {'conn':>6} {'breaker':<9} {'legs in flight':<21}gpus")
+    rows = [("kvserver", k.state, k.health, "", "", "", "", "", "", "", "")]
     for w in snap.workers:
         rows.append((w.instance, w.state, w.health, num(w.running, "{:.0f}"), num(w.waiting, "{:.0f}"),
                      pct(w.kv_usage), pct(w.local_hit_rate), pct(w.external_hit_rate), text(w.breaker),
-                     ",".join(map(str, w.gpus)) or "-"))
-    rows.append(("proxy", p.state, p.health, "", "", "", "", "", "", ""))
-    for name, st, health, run, wait, kvu, loc, ext, br, gp in rows:
+                     legs_text(w.legs_inflight), ",".join(map(str, w.gpus)) or "-"))
+    rows.append(("proxy", p.state, p.health, "", "", "", "", "", "", "", ""))
+    for name, st, health, run, wait, kvu, loc, ext, br, legs, gp in rows:
         h = health_short(health)
         out.append(f"{name:<12}{unit_text(st):<14}{h:<10}{text(st.restarts):>4} {run:>4} {wait:>5} {kvu:>5} "
-                   f"{loc:>6} {ext:>6} {br:<9} {gp}")
+                   f"{loc:>6} {ext:>6} {br:<9} {legs:<20} {gp}".rstrip())
     out.append("")
     if snap.gpus:
         out.append(f"{'gpu':<4}{'role':<10}{'util':>5} {'memory':>13} {'temp':>5} {'power':>7}  name")

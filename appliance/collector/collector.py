@@ -18,6 +18,7 @@ from appliance import constants as C
 from appliance.inventory import NA, is_na
 
 from . import names as N
+from . import routing
 from .gpus import GpuSampler, NoGpus, default_sampler
 from .rates import Window, quantile, ratio, sum_values
 from .scrape import Fetched, Fetcher, Metrics, parse_json, parse_metrics
@@ -79,6 +80,7 @@ class Collector:
         self._urls: Optional[dict] = None
         self._urls_plan: Any = None
         self._wunit: dict[str, str] = {}          # worker instance -> unit name (a property that formats)
+        self._by_port: dict[int, str] = {}        # worker port -> instance (the proxy may label by URL)
         self._unit_names: list[str] = []
         self._tick = 0
         self.units_every = max(1, units_every)
@@ -145,6 +147,7 @@ class Collector:
                 urls[f"w_metrics:{w.instance}"] = w.url() + "/metrics"
             self._urls, self._urls_plan = urls, plan
             self._wunit = {w.instance: w.unit for w in plan.workers}
+            self._by_port = {w.port: w.instance for w in plan.workers}
             self._unit_names = [C.KV_UNIT, C.PROXY_UNIT] + list(self._wunit.values())
         return self._urls
 
@@ -173,8 +176,9 @@ class Collector:
         self.window.push(now, self._cumulative(wm, km, pm))
 
         breakers = self._breakers(got["px_status"], pm)
+        legs = routing.legs(self.window, pm, self._who, self._wunit)
         wunit = self._wunit
-        workers = tuple(self._worker(w, got[f"w_health:{w.instance}"], wm[w.instance], breakers,
+        workers = tuple(self._worker(w, got[f"w_health:{w.instance}"], wm[w.instance], breakers, legs[w.instance],
                                      states.get(wunit[w.instance]) or na_unit(wunit[w.instance], "no state"))
                         for w in plan.workers)
         kv = self._kv(got, km, states.get(C.KV_UNIT) or na_unit(C.KV_UNIT, "no state"))
@@ -268,6 +272,7 @@ class Collector:
             if name is not None:
                 for reason, v in pm.by_label(name, "reason", "_total").items():
                     vals[f"px:skip:{reason}"] = v
+            vals.update(routing.cumulative(pm, self._who))
         return {k: v for k, v in vals.items() if v is not None}
 
     def _absent(self, logical: str) -> NA:
@@ -290,7 +295,8 @@ class Collector:
             return self._absent(hits)
         return ratio(h, q)
 
-    def _worker(self, w: Any, health: Fetched, m: Any, breakers: Any, state: UnitState) -> WorkerStatus:
+    def _worker(self, w: Any, health: Fetched, m: Any, breakers: Any, legs: tuple,
+                state: UnitState) -> WorkerStatus:
         if health.ok:
             h: Any = "ok"
         elif health.status:
@@ -322,7 +328,7 @@ class Collector:
             external_hit_rate=self._wratio(i, "ext_hits", "ext_queries", m),
             prompt_tps=self._wrate(i, "prompt_tokens", m), gen_tps=self._wrate(i, "gen_tokens", m),
             preemptions=self._wrate(i, "preemptions", m),
-            breaker=br, state=state)
+            breaker=br, legs_inflight=legs[0], legs_per_s=legs[1], state=state)
 
     def _kv(self, got: dict, km: Any, state: UnitState) -> KVServerStatus:
         hf = got["kv_health"]
@@ -365,18 +371,19 @@ class Collector:
             active_sessions=int(sessions) if isinstance(sessions, int) else NA(why),
             state=state)
 
+    def _who(self, name: str, url: str = "") -> str:
+        """The plan instance a proxy backend label stands for: its name, or the worker on its URL's port."""
+        if name in self._wunit:
+            return name
+        url = url or name
+        try:
+            return self._by_port.get(int(url.rstrip("/").rsplit(":", 1)[1]), name or url)
+        except (ValueError, IndexError):
+            return name or url
+
     def _breakers(self, st: Fetched, pm: Any) -> Union[tuple, NA]:
         """(instance, state) per backend, from the proxy's status JSON, else from its backend_state gauge."""
-        by_port = {w.port: w.instance for w in self.plan.workers}
-        names = {w.instance for w in self.plan.workers}
-
-        def who(name: str, url: str) -> str:
-            if name in names:
-                return name
-            try:
-                return by_port.get(int(url.rstrip("/").rsplit(":", 1)[1]), name or url)
-            except (ValueError, IndexError):
-                return name or url
+        who = self._who
         if st.ok:
             doc = parse_json(st)
             backends = doc.get("backends") if isinstance(doc, dict) else None
@@ -424,7 +431,7 @@ class Collector:
             name = N.resolve(N.PROXY, "start_time", pm.names)
             start = pm.total(name) if name else None
             uptime = max(0.0, time.time() - start) if start else NA("proxy exposes no start time")
-            latest = self.window._ticks[-1][1]
+            latest = self.window.latest
             reasons = sorted(k[len("px:skip:"):] for k in latest if k.startswith("px:skip:"))
             skipped = tuple((r, d) for r in reasons
                             for d in [self.window.delta(f"px:skip:{r}", "px")] if isinstance(d, float))
@@ -438,7 +445,8 @@ class Collector:
             uptime = max(0.0, time.time() - state.since)
         return ProxyStatus(url=url, unit=C.PROXY_UNIT, health=health, ready=ready, req_per_s=req,
                            inflight=inflight, ttft_p50_s=ttft_p50, ttft_p95_s=ttft_p95, pd_skipped=skipped,
-                           retries_per_s=retries, breakers=breakers, uptime_s=uptime, state=state)
+                           retries_per_s=retries, breakers=breakers, uptime_s=uptime,
+                           decisions=routing.mix(self.window, pm), state=state)
 
     def _layers(self, workers: tuple, kv: KVServerStatus) -> KVLayers:
         """Token-weighted hit rate across workers per layer (Σhits/Σqueries, not a mean of ratios)."""

@@ -55,6 +55,9 @@ PROXY: dict[str, tuple[MetricName, ...]] = {
     "backend_state": (MetricName(C.PROXY_BACKEND_STATE, ""),),
     "pd_skipped": (MetricName(C.PROXY_PD_SKIPPED, ""),),
     "retries": (MetricName(C.PROXY_RETRIES, ""),),
+    "decisions": (MetricName(C.PROXY_DECISIONS, ""),),
+    "legs": (MetricName(C.PROXY_LEGS, ""),),
+    "legs_inflight": (MetricName(C.PROXY_LEGS_INFLIGHT, ""),),
     "start_time": (MetricName("process_start_time_seconds", ""),),
 }
 

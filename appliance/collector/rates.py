@@ -32,6 +32,11 @@ class Window:
             self._ticks.popleft()
 
     @property
+    def latest(self) -> dict:
+        """The newest tick's values (empty before the first push)."""
+        return self._ticks[-1][1] if self._ticks else {}
+
+    @property
     def span(self) -> float:
         return self._ticks[-1][0] - self._ticks[0][0] if len(self._ticks) >= 2 else 0.0
 

@@ -52,6 +52,21 @@ class UnitState:
 
 
 @dataclass(frozen=True)
+class LegCounts:
+    """One figure per kind of leg the proxy sends a worker (label ``leg`` of its legs metrics)."""
+    full: Num                    # a whole (aggregated) request
+    prefill: Num                 # the P leg of a split request
+    decode: Num                  # the D leg of a split request
+
+    @classmethod
+    def na(cls, reason: str) -> "LegCounts":
+        return cls(NA(reason), NA(reason), NA(reason))
+
+
+LEG_KINDS = tuple(f.name for f in fields(LegCounts))
+
+
+@dataclass(frozen=True)
 class WorkerStatus:
     instance: str
     role: str
@@ -68,6 +83,8 @@ class WorkerStatus:
     gen_tps: Num                 # generated tokens/s over the window
     preemptions: Num             # per second over the window
     breaker: Str                 # circuit-breaker state of this backend at the proxy
+    legs_inflight: LegCounts     # legs the proxy has open on this worker now
+    legs_per_s: LegCounts        # legs the proxy sent it per second over the window
     state: UnitState
 
 
@@ -88,6 +105,27 @@ class KVServerStatus:
 
 
 @dataclass(frozen=True)
+class DecisionReason:
+    kind: str                    # appliance.decide AGGREGATE | SPLIT
+    reason: str                  # one of appliance.decide REASONS
+    count: float                 # decisions in the window
+    share: float                 # of all decisions in the window, 0..1
+
+
+@dataclass(frozen=True)
+class DecisionMix:
+    """How the proxy decided over the window: aggregate (one worker) or split (P here, D there), and why."""
+    decided: Num                 # decisions in the window
+    aggregated: Num              # share 0..1
+    split: Num                   # share 0..1
+    reasons: Union[tuple, NA]    # DecisionReason: aggregate kind first, then split; largest first in a kind
+
+    @classmethod
+    def na(cls, reason: str) -> "DecisionMix":
+        return cls(NA(reason), NA(reason), NA(reason), NA(reason))
+
+
+@dataclass(frozen=True)
 class ProxyStatus:
     url: str
     unit: str
@@ -101,6 +139,7 @@ class ProxyStatus:
     retries_per_s: Num
     breakers: Union[tuple, NA]       # ((backend instance or URL, state), ...)
     uptime_s: Num
+    decisions: DecisionMix
     state: UnitState
 
 

@@ -104,8 +104,14 @@ TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 def proxy_metrics(requests: float, ttft_obs: list[float], skipped: dict | None = None, retries: float = 0,
-                  inflight: float = 0, start_time: float = 1.7e9, backend_state: dict | None = None) -> str:
-    """pdctl proxy names (appliance.constants PROXY_*), written as prometheus_client exposes them."""
+                  inflight: float = 0, start_time: float = 1.7e9, backend_state: dict | None = None,
+                  decisions: dict | None = None, legs: dict | None = None,
+                  legs_inflight: dict | None = None) -> str:
+    """pdctl proxy names (appliance.constants PROXY_*), written as prometheus_client exposes them.
+
+    ``decisions`` {(kind, reason): n}, ``legs`` / ``legs_inflight`` {(backend, leg): n}: None leaves the family
+    out (a proxy older than the per-request decision); {} writes only its HELP/TYPE lines, as prometheus_client
+    does for a labelled metric before its first use."""
     lines = ["# HELP process_start_time_seconds Start time", "# TYPE process_start_time_seconds gauge",
              f"process_start_time_seconds {start_time}",
              "# HELP pdctl_proxy_requests_total Requests", "# TYPE pdctl_proxy_requests_total counter",
@@ -127,6 +133,17 @@ def proxy_metrics(requests: float, ttft_obs: list[float], skipped: dict | None =
         lines += ["# HELP pdctl_proxy_backend_state State", "# TYPE pdctl_proxy_backend_state gauge"]
         lines += [f'pdctl_proxy_backend_state{{backend="{b}",role="{role}"}} {float(v)}'
                   for b, (role, v) in backend_state.items()]
+    if decisions is not None:
+        lines += ["# HELP pdctl_proxy_decisions_total Decisions", "# TYPE pdctl_proxy_decisions_total counter"]
+        lines += [f'pdctl_proxy_decisions_total{{kind="{k}",reason="{r}"}} {float(v)}'
+                  for (k, r), v in decisions.items()]
+    if legs is not None:
+        lines += ["# HELP pdctl_proxy_legs_total Legs sent", "# TYPE pdctl_proxy_legs_total counter"]
+        lines += [f'pdctl_proxy_legs_total{{backend="{b}",leg="{leg}"}} {float(v)}' for (b, leg), v in legs.items()]
+    if legs_inflight is not None:
+        lines += ["# HELP pdctl_proxy_legs_inflight Legs open", "# TYPE pdctl_proxy_legs_inflight gauge"]
+        lines += [f'pdctl_proxy_legs_inflight{{backend="{b}",leg="{leg}"}} {float(v)}'
+                  for (b, leg), v in legs_inflight.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -1,12 +1,18 @@
 """Deterministic Snapshots for the TUI tests (built directly: the TUI only renders Snapshots)."""
 from __future__ import annotations
 
-from appliance.collector.snapshot import (GpuSample, KVLayers, KVServerStatus, ProxyStatus, Snapshot, Traffic,
-                                          UnitState, WorkerStatus, na_unit)
+from appliance.collector.snapshot import (DecisionMix, DecisionReason, GpuSample, KVLayers, KVServerStatus,
+                                          LegCounts, ProxyStatus, Snapshot, Traffic, UnitState, WorkerStatus,
+                                          na_unit)
+from appliance.decide import AGGREGATE, R_FEW_UNCACHED, R_LONG_UNCACHED, R_PREFILL_BUSY, SPLIT
 from appliance.inventory import NA
 
 GiB = 1024 ** 3
 T0 = 1796000000.0
+MIX = DecisionMix(decided=120.0, aggregated=0.82, split=0.18, reasons=(
+    DecisionReason(AGGREGATE, R_FEW_UNCACHED, 96.0, 0.80), DecisionReason(AGGREGATE, R_PREFILL_BUSY, 2.4, 0.02),
+    DecisionReason(SPLIT, R_LONG_UNCACHED, 21.6, 0.18)))
+OLD_PROXY = "proxy exposes no pdctl_proxy_decisions_total (older than the per-request decision)"
 
 
 def unit(name: str, active: str = "active", sub: str = "running", restarts: int = 0,
@@ -17,10 +23,11 @@ def unit(name: str, active: str = "active", sub: str = "running", restarts: int 
 
 def worker(inst: str, gpus: tuple, port: int, **kw) -> WorkerStatus:
     role = inst.split("-")[0]
+    now = LegCounts(full=0.0, prefill=2.0, decode=0.0) if role == "prefill" else LegCounts(1.0, 0.0, 2.0)
     base = dict(instance=inst, role=role, port=port, unit=f"pd-worker@{inst}.service", gpus=gpus, health="ok",
                 running=3.0, waiting=1.0, kv_usage=0.42, local_hit_rate=0.3, external_hit_rate=0.7,
                 prompt_tps=5200.0, gen_tps=310.0, preemptions=0.0, breaker="closed",
-                state=unit(f"pd-worker@{inst}.service"))
+                legs_inflight=now, legs_per_s=LegCounts(0.6, 0.3, 0.3), state=unit(f"pd-worker@{inst}.service"))
     base.update(kw)
     return WorkerStatus(**base)
 
@@ -45,7 +52,7 @@ def full(n_gpus: int = 4, **over) -> Snapshot:
     proxy = ProxyStatus(url="http://127.0.0.1:9000", unit="pd-proxy.service", health="ok", ready="ready",
                         req_per_s=4.2, inflight=7.0, ttft_p50_s=0.31, ttft_p95_s=0.74,
                         pd_skipped=(("short_prompt", 3.0), ("prefix_cached", 5.0)), retries_per_s=0.0,
-                        breakers=tuple((w.instance, "closed") for w in workers), uptime_s=3725.0,
+                        breakers=tuple((w.instance, "closed") for w in workers), uptime_s=3725.0, decisions=MIX,
                         state=unit("pd-proxy.service"))
     hist = tuple(0.4 + 0.3 * ((i * 7) % 11) / 10 + (1.6 if i in (40, 41, 42) else 0.0) for i in range(120))
     snap = dict(taken_at=T0, tick=42, interval_s=1.0, window_s=10.0, mode="disaggregated", engine="vllm",
@@ -59,13 +66,17 @@ def full(n_gpus: int = 4, **over) -> Snapshot:
 
 
 def degraded() -> Snapshot:
-    """NVML missing, decode-1 down and restarting, KV server metrics absent, SLO not configured."""
+    """NVML missing, decode-1 down and restarting, KV server metrics absent, SLO not configured, a proxy
+    older than the per-request decision (no decision or leg metrics)."""
+    from dataclasses import replace
     s = full(4)
     na_ref = NA("connection refused (not listening)")
-    workers = list(s.workers)
+    old = LegCounts.na(OLD_PROXY)
+    workers = [replace(w, legs_inflight=old, legs_per_s=old) for w in s.workers]
     workers[2] = worker("decode-1", (2,), 8201, health=na_ref, running=NA("http://127.0.0.1:8201/metrics: "
                         "connection refused (not listening)"), waiting=NA("down"), kv_usage=NA("down"),
                         local_hit_rate=NA("down"), external_hit_rate=NA("down"), breaker="open",
+                        legs_inflight=old, legs_per_s=old,
                         state=unit("pd-worker@decode-1.service", "activating", "auto-restart", 4, "loading"))
     kv = KVServerStatus(url=s.kv.url, unit=s.kv.unit, health="ok", hit_rate=NA("metric absent in this version"),
                         l1_used_bytes=NA("no /status"), l1_total_bytes=NA("no /status"), l1_usage=NA("no /status"),
@@ -75,6 +86,7 @@ def degraded() -> Snapshot:
     return full(4, overall="degraded", overall_reasons=("decode-1: connection refused (not listening)",
                                                          "decode-1: breaker open"),
                 gpu_source=NA("NVML missing: NVIDIA driver not installed"), gpus=(), workers=tuple(workers),
+                proxy=replace(s.proxy, decisions=DecisionMix.na(OLD_PROXY)),
                 kv=kv, kv_layers=KVLayers(engine_local=0.3, connector=0.66, kv_server=NA("metric absent")),
                 slo_ttft_s=NA("no TTFT SLO configured"))
 
