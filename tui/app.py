@@ -94,6 +94,7 @@ class PdctlApp(App):
             with Horizontal(id="summary"):
                 with Vertical(id="ttft", classes="panel"):
                     yield Static(id="ttft-text")
+                    yield Static(id="decisions")
                     yield Chart(id="ttft-chart")
                 yield Static(id="kv", classes="panel")
                 yield Static(id="traffic", classes="panel")
@@ -123,7 +124,7 @@ class PdctlApp(App):
             self._set("#title", fleet_panel.title(None, self.paused))
             self.query_one("#fleet", DataTable).focus()
         else:
-            self.query_one("#ttft").border_title = "TTFT (proxy)"
+            self.query_one("#ttft").border_title = "TTFT · decisions (proxy)"
             self.query_one("#kv").border_title = "KV hit rate"
             self.query_one("#traffic").border_title = "traffic"
             self.query_one("#roles").border_title = "roles"
@@ -200,6 +201,7 @@ class PdctlApp(App):
                 chart.set_data(data, slo)
             self._set("#kv", summary.kv_text(snap))
             self._set("#traffic", summary.traffic_text(snap))
+            self._set("#decisions", summary.mix_text(snap))
             tables.render_roles(self.query_one("#roles", DataTable), snap)
             tables.render_gpus(self.query_one("#gpus", DataTable), snap)
         if self.log_unit and self.query_one("#logs").display:

@@ -198,3 +198,61 @@ def test_chart_draws_the_slo_line_and_marks_samples_over_it():
     assert rows[-1][-1] == "█"
     over = [s for s in t.spans if str(s.style) == "red"]
     assert over                                                   # the 3.0 sample is drawn red
+
+
+def line(app: PdctlApp, selector: str) -> str:
+    """What one line of a widget shows on screen now (after its layout: width-fitted forms included)."""
+    return app.query_one(selector).render_line(0).text.rstrip()
+
+
+async def test_decision_mix_and_legs_fit_80x24_and_grow_with_the_terminal():
+    app = make()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert line(app, "#decisions") == "agg 82% split 18% · few_uncac…"      # shares first: only reasons cut
+        assert cell(app, "roles", "pd-worker@prefill-0.service", "legs") == "F0 P2 D0"
+        assert cell(app, "roles", "pd-worker@decode-2.service", "legs") == "F1 P0 D2"
+        assert cell(app, "roles", "pd-proxy.service", "legs") == ""
+        await pilot.resize_terminal(160, 48)                                 # no new snapshot needed
+        await settle(pilot)
+        assert line(app, "#decisions") == ("agg 82% (few_uncached 80%, prefill_backlog 2%) "
+                                           "split 18% (long_uncached 18%)")
+        assert app.query_one("#ttft-chart").region.height == 3               # the line took one chart row
+
+
+async def test_an_older_proxy_shows_na_with_why_for_the_mix_and_the_legs():
+    app = make([degraded()])
+    async with app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot)
+        assert line(app, "#decisions").startswith("NA · proxy exposes no pdctl_proxy_decisions_total")
+        assert cell(app, "roles", "pd-worker@decode-0.service", "legs") == "NA"
+        await pilot.press("question_mark")
+        await settle(pilot)
+        assert "decisions: proxy exposes no" in str(app.screen.query_one("#help-text").render())
+
+
+def test_mix_forms_longest_that_fits_first():
+    from dataclasses import replace
+
+    from appliance.collector.snapshot import DecisionMix
+    from appliance.inventory import NA
+    from tui.panels.summary import mix_text
+    fit = mix_text(full(4))
+    full_line = "82% aggregated (few_uncached 80%, prefill_backlog 2%), 18% split (long_uncached 18%)"
+    assert fit.pick(200).plain == full_line and fit.pick(len(full_line)).plain == full_line
+    assert fit.pick(len(full_line) - 1).plain.startswith("agg 82% (few_uncached 80%")
+    assert fit.pick(10).plain.startswith("agg 82% split 18% · few_uncached 80%")   # cut at render
+    snap = full(4)
+    idle = replace(snap, proxy=replace(snap.proxy, decisions=DecisionMix(0.0, NA("no decisions in the window"),
+                                                                         NA("no decisions in the window"), ())))
+    assert mix_text(idle).pick(80).plain == "NA · no decisions in the window"
+
+
+def test_plan_shape_counts_workers_that_serve_either_leg():
+    from dataclasses import replace
+
+    from tui.panels.header import plan_shape
+    snap = full(4)
+    assert plan_shape(snap) == "1P3D"
+    both = replace(snap, workers=tuple(replace(w, role="both") if w.role == "decode" else w for w in snap.workers))
+    assert plan_shape(both) == "1P0D3B"

@@ -12,10 +12,12 @@ STATE_STYLE = {"ready": "bold green", "degraded": "bold yellow", "down": "bold r
 
 
 def plan_shape(snap: Snapshot) -> str:
-    """``1P3D`` for a disaggregated plan (prefill/decode worker counts), ``2x aggregated`` otherwise."""
+    """``1P3D`` for a disaggregated plan (prefill/decode worker counts; ``2B`` more for workers that serve
+    either leg, role "both"), ``2x aggregated`` otherwise."""
     roles = [w.role for w in snap.workers]
     if snap.mode == "disaggregated":
-        return f"{roles.count('prefill')}P{roles.count('decode')}D"
+        both = roles.count("both")
+        return f"{roles.count('prefill')}P{roles.count('decode')}D" + (f"{both}B" if both else "")
     return f"{len(roles)}x {snap.mode}"
 
 

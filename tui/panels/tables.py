@@ -8,14 +8,14 @@ from textual.widgets import DataTable
 
 from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
-from appliance.status import gib, health_short, num, pct, text, unit_text
+from appliance.status import gib, health_short, legs_text, num, pct, text, unit_text
 
 from ..widgets.bars import bar
 
 GPU_COLUMNS = (("gpu", "GPU"), ("role", "role"), ("util", "util"), ("mem", "memory"), ("temp", "temp"),
                ("power", "power"))
 ROLE_COLUMNS = (("inst", "instance"), ("unit", "unit"), ("health", "health"), ("rst", "rst"),
-                ("rw", "run/wait"), ("kv", "KV"), ("breaker", "breaker"), ("status", "status"))
+                ("rw", "run/wait"), ("kv", "KV"), ("breaker", "breaker"), ("legs", "legs"), ("status", "status"))
 
 
 def _sync(table: DataTable, rows: list[tuple[str, dict]], columns: tuple) -> None:
@@ -56,6 +56,12 @@ def _breaker(v: Any) -> Text:
     return Text(s, style={"closed": "green", "open": "bold red", "half_open": "yellow"}.get(s, "dim"))
 
 
+def _legs(v: Any) -> Text:
+    """Legs the proxy has open on a worker now: ``F3 P0 D1`` (full request, P leg, D leg)."""
+    s = legs_text(v, short=True)
+    return Text(s, style="dim" if s == "NA" else "")
+
+
 def gpu_rows(snap: Snapshot) -> list[tuple[str, dict]]:
     rows = []
     for g in snap.gpus:
@@ -79,16 +85,17 @@ def gpu_rows(snap: Snapshot) -> list[tuple[str, dict]]:
 def role_rows(snap: Snapshot) -> list[tuple[str, dict]]:
     k, p = snap.kv, snap.proxy
     rows = [(k.unit, {"inst": "kvserver", "unit": _unit(k.state), "health": _health(k.health),
-                      "rst": text(k.state.restarts), "rw": "", "kv": pct(k.l1_usage), "breaker": "",
+                      "rst": text(k.state.restarts), "rw": "", "kv": pct(k.l1_usage), "breaker": "", "legs": "",
                       "status": text(k.state.status_text)})]
     for w in snap.workers:
         rw = f"{num(w.running, '{:.0f}')}/{num(w.waiting, '{:.0f}')}"
         rows.append((w.unit, {"inst": w.instance, "unit": _unit(w.state), "health": _health(w.health),
                               "rst": text(w.state.restarts), "rw": rw, "kv": pct(w.kv_usage),
-                              "breaker": _breaker(w.breaker), "status": text(w.state.status_text)}))
+                              "breaker": _breaker(w.breaker), "legs": _legs(w.legs_inflight),
+                              "status": text(w.state.status_text)}))
     rows.append((p.unit, {"inst": "proxy", "unit": _unit(p.state), "health": _health(p.health),
                           "rst": text(p.state.restarts), "rw": f"{num(p.inflight, '{:.0f}')} in",
-                          "kv": "", "breaker": "", "status": text(p.ready)}))
+                          "kv": "", "breaker": "", "legs": "", "status": text(p.ready)}))
     return rows
 
 
