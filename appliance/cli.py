@@ -45,10 +45,11 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="registry name or model directory")
     p.add_argument("--engine", choices=("vllm", "vllm-cpu", "twin"))
     p.add_argument("--engine-version", dest="engine_version")
-    p.add_argument("--prefill", type=int)
-    p.add_argument("--decode", type=int)
+    p.add_argument("--prefill", type=int, help="dedicated prefill workers (all three counts 0: the twin ranks families)")
+    p.add_argument("--decode", type=int, help="dedicated decode workers")
+    p.add_argument("--both", type=int, help="kv_both workers (soft roles: the proxy decides per request)")
     p.add_argument("--tp", type=int)
-    p.add_argument("--policy", choices=("pdctl", "round-robin"))
+    p.add_argument("--policy", choices=("adaptive", "pdctl", "round-robin"))
     p.add_argument("--l1-size-gb", dest="l1_size_gb", type=float)
     p.add_argument("--max-model-len", dest="max_model_len", type=int)
     p.add_argument("--served-model-name", dest="served_model_name")
@@ -56,8 +57,8 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace, simulate: bool = False):
     from .config import resolve
-    flags = {k: getattr(args, k, None) for k in ("model", "engine", "engine_version", "prefill", "decode", "tp",
-                                                 "policy", "l1_size_gb", "max_model_len", "served_model_name")}
+    flags = {k: getattr(args, k, None) for k in ("model", "engine", "engine_version", "prefill", "decode", "both",
+                                                 "tp", "policy", "l1_size_gb", "max_model_len", "served_model_name")}
     indices: tuple = ()
     if getattr(args, "gpus", None):
         flags["gpus"], indices = _gpus_arg(args.gpus)
@@ -143,27 +144,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _what_if_split(args: argparse.Namespace, s) -> str:
-    """Run the twin's what-if over every split, print it, and set the recommended split into the settings."""
+    """Rank every plan family (all-both, hybrids, P/D) on the twin, print the table, and plan the winner."""
     from .bench.cli import parse_rates
     from .bench.whatif import render, what_if
     from .bench.workload import load_profile
     from .inventory import detect
+    from .plan_settings import planner_inputs
+    from .planner import PLAN_WINDOW_S, plan_workload
     from .twin.simulator import Workload as SimWorkload
-    if s.get("plan", "prefill") or s.get("plan", "decode"):
-        raise CliError("--what-if chooses the prefill/decode split itself: drop --prefill/--decode")
-    prof = load_profile(args.what_if_profile)
-    w = what_if(detect(s.get("install", "gpus")), s.get("install", "model"),
-                SimWorkload(prof.input_len, prof.prefix_len, prof.output_len), parse_rates(args.what_if_rates),
-                slo_ttft_p95_s=args.what_if_slo, policy=s.get("proxy", "policy"), tp=max(1, s.get("plan", "tp")),
-                num_prompts=args.what_if_num_prompts, objective=args.what_if_objective)
+    if s.get("plan", "prefill") or s.get("plan", "decode") or s.get("plan", "both"):
+        raise CliError("--what-if chooses the plan family itself: drop --prefill/--decode/--both")
+    work, ov = planner_inputs(s)
+    if args.what_if_profile == "config":
+        wl = plan_workload(work)
+    else:
+        prof = load_profile(args.what_if_profile)
+        wl = SimWorkload(prof.input_len, prof.prefix_len, prof.output_len)
+    slo = args.what_if_slo if args.what_if_slo is not None else work.ttft_slo_s
+    w = what_if(detect(s.get("install", "gpus")), s.get("install", "model"), wl, parse_rates(args.what_if_rates),
+                slo_ttft_p95_s=slo, policy=s.get("proxy", "policy"), tp=max(1, s.get("plan", "tp")),
+                num_prompts=args.what_if_num_prompts, objective=args.what_if_objective, family="all",
+                slo_tpot_p95_ms=work.tpot_slo_ms, thresholds=ov.thresholds, min_window_s=PLAN_WINDOW_S)
     print(render(w), file=sys.stderr if args.json else sys.stdout)
     rec = w.recommended
-    if rec is None or not rec.decode:
-        raise CliError("what-if found no disaggregated split that works for this box; plan without --what-if")
-    s.values["plan"]["prefill"], s.values["plan"]["decode"] = rec.prefill, rec.decode
-    s.sources["plan.prefill"] = s.sources["plan.decode"] = "what-if"
-    return (f"{rec.prefill} prefill + {rec.decode} decode chosen by the twin's what-if ({args.what_if_objective}): "
-            f"highest rate with TTFT p95 under {args.what_if_slo:g} s")
+    if rec is None:
+        raise CliError("what-if found no family that holds the SLOs on this box; plan without --what-if, lower "
+                       "the SLOs ([workload] ttft_slo_s, tpot_slo_ms) or add GPUs")
+    v = s.values["plan"]
+    v["prefill"], v["decode"], v["both"] = rec.prefill, rec.decode, rec.both
+    s.sources["plan.prefill"] = s.sources["plan.decode"] = s.sources["plan.both"] = "what-if"
+    return (f"{rec.family} chosen by the twin's what-if ({args.what_if_objective}): highest rate with TTFT p95 "
+            f"under {slo:g} s and TPOT p95 under {work.tpot_slo_ms:g} ms ({rec.max_rate_under_slo:.3g} req/s)")
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -211,10 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_flags(p)
     p.add_argument("--json", action="store_true")
     p.add_argument("--what-if", dest="what_if", action="store_true",
-                   help="simulate every prefill/decode split on the twin, show predicted ceiling and TTFT per split, "
+                   help="rank every plan family (all-both, hybrids, P/D splits) on the twin, show predicted goodput, "
+                        "TTFT and TPOT per rate, "
                         "and plan with the recommended one")
     from .bench.cli import add_what_if_flags
     add_what_if_flags(p, prefix="what_if_")
+    p.set_defaults(what_if_slo=None, what_if_rates="1,2,4,8,16,32,64", what_if_profile="config",
+                   what_if_num_prompts=300)   # the plan's own SLOs and workload ([workload] keys) unless given
     p.add_argument("--list-models", action="store_true", help="list the model registry")
     p.set_defaults(func=cmd_plan)
 

@@ -53,8 +53,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "engine_venv": Key(str, str(C.VENV_DIR), "virtual environment holding vllm and lmcache", "path"),
     },
     "plan": {
-        "prefill": Key(int, 0, "prefill workers (0 = planner decides: 1 per 4 workers)", "nonneg"),
-        "decode": Key(int, 0, "decode workers (0 = the rest)", "nonneg"),
+        "prefill": Key(int, 0, "dedicated prefill workers (prefill, decode and both all 0 = the planner ranks "
+                               "all-both, hybrid and P/D families on the twin and takes the highest goodput)",
+                       "nonneg"),
+        "decode": Key(int, 0, "dedicated decode workers (0 with prefill > 0 and both 0 = the rest)", "nonneg"),
+        "both": Key(int, 0, "kv_both workers (soft roles: a whole request, a P leg or a D leg, decided per "
+                            "request by the proxy)", "nonneg"),
         "tp": Key(int, 0, "tensor-parallel size per worker (0 = smallest that fits)", "nonneg"),
         "gpu_indices": Key(list, [], "restrict to these NVML GPU indices ([] = all)"),
         "gpu_memory_utilization": Key(float, 0.85, "vLLM --gpu-memory-utilization per worker", "frac"),
@@ -74,7 +78,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "prefix_len": Key(int, 6000, "shared system-prompt tokens (seed P50)", "nonneg"),
         "output_len": Key(int, 252, "typical output tokens", "pos"),
         "max_model_len": Key(int, 20000, "vLLM --max-model-len", "pos"),
-        "ttft_slo_s": Key(float, 2.0, "TTFT objective shown in the TUI and used by what-if", "posf"),
+        "ttft_slo_s": Key(float, 2.0, "TTFT p95 objective (TUI, what-if, the planner's family ranking)", "posf"),
+        "tpot_slo_ms": Key(float, 80.0, "TPOT p95 objective in ms (what-if and the planner's family ranking)",
+                           "posf"),
+        "cold_share": Key(float, 0.0, "share of requests that are long and cold (no shared prefix), 0..1; the "
+                                      "planner ranks families for this mix", "share"),
+        "cold_input_len": Key(int, 15840, "prompt tokens of a cold request (seed P95)", "pos"),
+        "cold_output_len": Key(int, 561, "output tokens of a cold request (seed P95)", "pos"),
     },
     "ports": {
         "proxy": Key(int, C.PROXY_PORT, "public OpenAI-compatible port", "port"),
@@ -84,10 +94,21 @@ SCHEMA: dict[str, dict[str, Key]] = {
                        "port"),
         "prefill_base": Key(int, C.PREFILL_PORT_BASE, "prefill-N listens on base + N (loopback)", "port"),
         "decode_base": Key(int, C.DECODE_PORT_BASE, "decode-N listens on base + N (loopback)", "port"),
+        "both_base": Key(int, C.AGGREGATED_PORT_BASE, "both-N listens on base + N (loopback)", "port"),
     },
     "proxy": {
         "host": Key(str, "0.0.0.0", "address the public port binds (127.0.0.1 to keep it local)", "host"),
-        "policy": Key(str, "pdctl", "routing: pdctl (load- and cache-aware) or round-robin (the seed's)", "policy"),
+        "policy": Key(str, "adaptive", "routing: adaptive (per request: aggregate on one worker or split P/D, "
+                                       "from live load), pdctl (the first round's fixed skip rule) or round-robin "
+                                       "(the seed's)", "policy"),
+        "aggregate_max_uncached": Key(int, 4096, "adaptive: aggregate while at most this many prompt tokens are "
+                                                 "not in the KV cache; split above (benchmarks/"
+                                                 "decision_thresholds.py)", "nonneg"),
+        "split_max_prefill_backlog": Key(int, 65536, "adaptive: split only while the chosen prefiller has at "
+                                                     "most this many uncached tokens queued, this prompt included",
+                                         "nonneg"),
+        "split_idle_max_running": Key(int, 0, "adaptive: a both-worker takes another worker's P leg only while "
+                                              "running at most this many sequences", "nonneg"),
         "kv_wait_s": Key(float, 2.0, "bounded wait for LMCache's request_store_finished before the decode leg "
                                      "(0 = do not wait)", "nonnegf"),
         "pd_min_prompt_tokens": Key(int, 512, "shorter prompts skip the prefill leg", "nonneg"),
@@ -110,7 +131,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
 FLAG_KEYS = {  # CLI flag dest -> (section, key)
     "gpus": ("install", "gpus"), "model": ("install", "model"), "engine": ("install", "engine"),
     "engine_version": ("install", "engine_version"), "prefill": ("plan", "prefill"), "decode": ("plan", "decode"),
-    "tp": ("plan", "tp"), "policy": ("proxy", "policy"), "l1_size_gb": ("kv_server", "l1_size_gb"),
+    "tp": ("plan", "tp"), "both": ("plan", "both"), "policy": ("proxy", "policy"), "l1_size_gb": ("kv_server", "l1_size_gb"),
     "served_model_name": ("plan", "served_model_name"), "max_model_len": ("workload", "max_model_len"),
 }
 
@@ -167,8 +188,10 @@ def _check(path: Path | str, dotted: str, spec: Key, value: Any) -> Any:
         raise _err(path, dotted, f"must be >= 0, got {value}")
     if c == "frac" and not 0.1 <= value <= 0.98:
         raise _err(path, dotted, f"must be between 0.1 and 0.98, got {value}")
-    if c == "policy" and value not in ("pdctl", "round-robin"):
-        raise _err(path, dotted, f"must be pdctl or round-robin, got {value!r}")
+    if c == "policy" and value not in ("adaptive", "pdctl", "round-robin"):
+        raise _err(path, dotted, f"must be adaptive, pdctl or round-robin, got {value!r}")
+    if c == "share" and not 0.0 <= value <= 1.0:
+        raise _err(path, dotted, f"must be between 0 and 1, got {value}")
     if c == "engine" and value not in ("vllm", "vllm-cpu", "twin"):
         raise _err(path, dotted, f"must be vllm, vllm-cpu or twin, got {value!r}")
     if c == "kvkind" and value not in ("", "lmcache", "twin"):

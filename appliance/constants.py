@@ -103,6 +103,9 @@ PROXY_BACKEND_STATE = "pdctl_proxy_backend_state"       # gauge {backend,role}
 PROXY_PD_SKIPPED = "pdctl_proxy_pd_skipped"             # counter {reason}
 PROXY_RETRIES = "pdctl_proxy_retries"
 PROXY_KV_WAIT = "pdctl_proxy_kv_store_wait"             # counter {outcome}
+PROXY_DECISIONS = "pdctl_proxy_decisions"               # counter {kind,reason}: aggregate | split, why (decide.py)
+PROXY_LEGS = "pdctl_proxy_legs"                         # counter {backend,leg}: full | prefill | decode
+PROXY_LEGS_INFLIGHT = "pdctl_proxy_legs_inflight"       # gauge {backend,leg}
 
 # --- fleet: several boxes behind vllm-router (PyPI vllm-router, Rust) --------------------------------
 ROUTER_UNIT = "pd-router.service"

@@ -51,11 +51,14 @@ class ProxyPlan:
     host: str
     port: int
     internal_port: int        # loopback-only: LMCache request telemetry + admin
-    policy: str = "pdctl"
+    policy: str = "adaptive"
     kv_wait_s: float = 2.0    # bounded wait for request_store_finished before the D leg goes anyway
     pd_min_prompt_tokens: int = 512  # shorter prompts skip the P leg (nothing a prefiller can store)
     api_key_file: str = ""    # clients must send this key as Bearer on the public port ("" = no key)
     public_status: bool = False  # serve /pdctl/status on the public port (needs the API key; fleet front nodes)
+    aggregate_max_uncached: int = 4096      # adaptive policy thresholds (appliance/decide.py: Thresholds)
+    split_max_prefill_backlog: int = 65536
+    split_idle_max_running: int = 0
 
     @property
     def telemetry_url(self) -> str:
@@ -106,6 +109,9 @@ class Plan:
         p = d["proxy"]
         px = ProxyPlan(host=p["host"], port=int(p["port"]), internal_port=int(p["internal_port"]),
                        policy=p.get("policy", "pdctl"), kv_wait_s=float(p.get("kv_wait_s", 2.0)),
+                       aggregate_max_uncached=int(p.get("aggregate_max_uncached", 4096)),
+                       split_max_prefill_backlog=int(p.get("split_max_prefill_backlog", 65536)),
+                       split_idle_max_running=int(p.get("split_idle_max_running", 0)),
                        pd_min_prompt_tokens=int(p.get("pd_min_prompt_tokens", 512)),
                        api_key_file=str(p.get("api_key_file", "")), public_status=bool(p.get("public_status", False)))
         return cls(mode=d["mode"], engine=d["engine"], engine_version=d.get("engine_version", ""),

@@ -5,6 +5,7 @@ always give the same plan and every rule is unit-testable. Each decision adds a 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -12,6 +13,7 @@ from . import constants as C
 from .engine_flags import (DEFAULT_CPU_VERSION, DEFAULT_GPU_VERSION, flags_for, kv_transfer_config)
 from .inventory import GPU, Inventory
 from .models import ModelProfile
+from .decide import Thresholds
 from .plan import KVServerPlan, Plan, ProxyPlan, WorkerPlan
 
 GiB = 1024**3
@@ -24,18 +26,23 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Workload:
-    """Traffic the plan is sized for (default: the seed's P50 profile)."""
+    """Traffic the plan is sized for (default: the seed's P50 profile), and the SLOs it must hold."""
     input_len: int = 7869
     prefix_len: int = 6000
     output_len: int = 252
     max_model_len: int = 20000      # the seed's setting; covers its P95 prompts
-    ttft_slo_s: float = 2.0
+    ttft_slo_s: float = 2.0         # TTFT p95 objective
+    tpot_slo_ms: float = 80.0       # TPOT p95 objective
+    cold_share: float = 0.0         # share of requests that are long and cold (nothing shared), e.g. 0.5
+    cold_input_len: int = 15840     # the seed's P95 prompt length
+    cold_output_len: int = 561
 
 
 @dataclass(frozen=True)
 class Overrides:
-    prefill: int = 0               # 0 = decide
+    prefill: int = 0               # 0 (with decode and both 0) = decide
     decode: int = 0
+    both: int = 0                  # kv_both workers (soft roles: any leg, or a whole request)
     tp: int = 0
     gpus: tuple = ()               # restrict to these NVML indices
     engine: str = "vllm"           # "vllm" | "vllm-cpu" | "twin"
@@ -56,7 +63,10 @@ class Overrides:
     kv_http_port: int = C.KV_HTTP_PORT
     prefill_port_base: int = C.PREFILL_PORT_BASE
     decode_port_base: int = C.DECODE_PORT_BASE
-    policy: str = "pdctl"
+    both_port_base: int = C.AGGREGATED_PORT_BASE
+    choose_family: bool = True     # no counts given: rank the families on the twin (False: the fixed rule)
+    thresholds: Thresholds = Thresholds()   # the adaptive policy's (config [proxy]); the ranking uses them too
+    policy: str = "adaptive"
     heartbeat_s: float = 2.0
     mq_timeout_s: float = 60.0
     kv_server: str = ""            # "" = real lmcache for vllm engines, twin for twin engines
@@ -232,7 +242,7 @@ def _twin_argv(role: str, port: int, model: ModelProfile, served: str, ov: Overr
 
 
 def _worker_env(role: str, gpus: list[GPU], ov: Overrides, version: str, proxy: ProxyPlan,
-                cpus: tuple, model: ModelProfile | None = None) -> dict:
+                cpus: tuple, model: ModelProfile | None = None, telemetry: bool | None = None) -> dict:
     env = {"PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "LMCACHE_TRACK_USAGE": "false", "PYTHONUNBUFFERED": "1"}
     if model is not None and model.hf_id.startswith("/"):
@@ -246,7 +256,7 @@ def _worker_env(role: str, gpus: list[GPU], ov: Overrides, version: str, proxy: 
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if ov.engine == "vllm-cpu" and cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_list(cpus)
-    if role == "prefill" and ov.kv_connector:
+    if (role == "prefill" if telemetry is None else telemetry) and ov.kv_connector:
         env["LMCACHE_REQUEST_TELEMETRY_TYPE"] = "fastapi"
         env["LMCACHE_REQUEST_TELEMETRY_ENDPOINT"] = proxy.telemetry_url
     return env
@@ -297,13 +307,15 @@ def _kv_plan(inv: Inventory, n_workers: int, gpu_workers: int, ov: Overrides, re
                         restart_sec=restart)
 
 
-def _check_ports(ov: Overrides, n_prefill: int, n_decode: int) -> None:
+def _check_ports(ov: Overrides, n_prefill: int, n_decode: int, n_both: int = 0) -> None:
     ports = {"proxy": ov.proxy_port, "proxy internal": ov.proxy_internal_port, "kv zmq": ov.kv_zmq_port,
              "kv http": ov.kv_http_port}
     for i in range(n_prefill):
         ports[f"prefill-{i}"] = ov.prefill_port_base + i
     for i in range(n_decode):
         ports[f"decode-{i}"] = ov.decode_port_base + i
+    for i in range(n_both):
+        ports[f"both-{i}"] = ov.both_port_base + i
     seen: dict[int, str] = {}
     for name, p in ports.items():
         if not 1 <= p <= 65535:
@@ -334,7 +346,11 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
         if (fl.device == "cpu") != (ov.engine == "vllm-cpu"):
             raise PlanError(f"engine version {version} is a {fl.device} build; it does not go with --engine {ov.engine}")
     served = ov.served_model_name or (model.name.rstrip("/").split("/")[-1] if "/" in model.name else model.name)
-    proxy = ProxyPlan(host=ov.proxy_host, port=ov.proxy_port, internal_port=ov.proxy_internal_port, policy=ov.policy)
+    th = ov.thresholds
+    proxy = ProxyPlan(host=ov.proxy_host, port=ov.proxy_port, internal_port=ov.proxy_internal_port, policy=ov.policy,
+                      aggregate_max_uncached=th.aggregate_max_uncached,
+                      split_max_prefill_backlog=th.split_max_prefill_backlog,
+                      split_idle_max_running=th.split_idle_max_running)
 
     if ov.engine == "vllm-cpu":
         return _cpu_plan(inv, model, work, ov, version, served, proxy, reasons)
@@ -366,9 +382,9 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
     if not groups:
         raise PlanError(f"no TP-{tp} group of one GPU kind can be formed from GPUs {[g.index for g in gpus]}")
     n = len(groups)
-    asked = ov.prefill + ov.decode
-    if (ov.prefill or ov.decode) and n == 1:
-        raise PlanError(f"--prefill/--decode need 2 workers but only 1 TP-{tp} group fits these GPUs; "
+    predicted: dict = {}
+    if (ov.prefill or ov.decode or ov.both) and n == 1:
+        raise PlanError(f"--prefill/--decode/--both need 2 workers but only 1 TP-{tp} group fits these GPUs; "
                         "drop them for an aggregated plan, or add GPUs")
     if n == 1:
         mode = "aggregated"
@@ -376,25 +392,13 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
         reasons.append("one worker only: an aggregated (not disaggregated) plan — one vLLM engine does prefill and "
                        "decode, with LMCache as its KV offload; disaggregation needs at least 2 workers")
     else:
-        mode = "disaggregated"
-        if ov.prefill or ov.decode:
-            p = ov.prefill or max(1, n - ov.decode)
-            d = ov.decode or max(1, n - p)
-            if p < 1 or d < 1:
-                raise PlanError("a disaggregated plan needs at least 1 prefill and 1 decode worker")
-            if p + d > n:
-                raise PlanError(f"--prefill {p} --decode {d} needs {p + d} TP-{tp} workers = {(p + d) * tp} GPUs; "
-                                f"this box has {n} workers ({len(gpus)} GPUs). Try --prefill 1 --decode {n - 1}")
-            if p + d < n:
-                reasons.append(f"{n - p - d} worker slot(s) left idle: --prefill {p} --decode {d} asked")
-            reasons.append(f"{p} prefill + {d} decode as asked")
+        if ov.prefill or ov.decode or ov.both:
+            p, d, b = _asked_counts(n, tp, len(gpus), ov, reasons)
         else:
-            p = default_prefill_count(n)
-            d = n - p
-            reasons.append(f"{p} prefill + {d} decode from {n} workers: the seed measured decode as the bottleneck "
-                           "for prefix-heavy chat (1:2 to 1:3 prefill:decode), so 1 prefiller per 4 workers")
-        roles = ["prefill"] * p + ["decode"] * d
-    _check_ports(ov, roles.count("prefill"), roles.count("decode") + roles.count("both"))
+            p, d, b, predicted = _default_counts(n, tp, gpus, model, work, ov, reasons)
+        roles = ["prefill"] * p + ["decode"] * d + ["both"] * b
+        mode = "soft" if b else "disaggregated"
+    _check_ports(ov, roles.count("prefill"), roles.count("decode"), roles.count("both"))
     hw = _twin_hw(gpus, ov)
     workers = []
     counters = {"prefill": 0, "decode": 0, "both": 0}
@@ -402,26 +406,141 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
         i = counters[role]
         counters[role] += 1
         port = {"prefill": ov.prefill_port_base, "decode": ov.decode_port_base,
-                "both": C.AGGREGATED_PORT_BASE}[role] + i
+                "both": ov.both_port_base}[role] + i
         ggpus = [inv.gpu(x) for x in grp]
         cpus = tuple(ggpus[0].cpu_affinity) if isinstance(ggpus[0].cpu_affinity, list) else ()
         if ov.engine == "twin":
             argv = _twin_argv(role, port, model, served, ov, hw, grp[0], ov.kv_zmq_port, ov.kv_http_port)
         else:
             argv = _vllm_argv(role, port, tp, model, served, work, ov, version, ov.kv_zmq_port)
-        env = _worker_env(role, ggpus, ov, version, proxy, cpus, model)
+        env = _worker_env(role, ggpus, ov, version, proxy, cpus, model, telemetry=_telemetry(role, n))
         workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=tuple(grp), port=port, argv=argv,
                                   env=env, tp=tp, gpu_uuids=tuple(g.uuid for g in ggpus), cpus=cpus))
     kv = _kv_plan(inv, len(workers), len(workers) * tp, ov, reasons, cpu_engine=False)
     if not ov.kv_connector:
         reasons.append("workers are NOT connected to the KV server (kv_connector = false): decoders recompute "
                        "every prompt; use this only to measure what the shared KV cache buys")
-    if mode == "disaggregated":
+    if mode != "aggregated":
         reasons.append(f"proxy on {ov.proxy_host}:{ov.proxy_port} (the only non-loopback port); LMCache request "
                        f"telemetry to {proxy.telemetry_url} tells it when a prefill's KV is stored")
     return Plan(mode=mode, engine=ov.engine, engine_version=version if ov.engine != "twin" else "twin",
                 model=model.hf_id, served_model_name=served, tp=tp, workers=tuple(workers), kv_server=kv,
-                proxy=proxy, reasons=tuple(reasons), inventory_source=inv.source, hardware=gpus[0].name)
+                proxy=proxy, reasons=tuple(reasons), inventory_source=inv.source, hardware=gpus[0].name,
+                predicted=predicted)
+
+
+def _telemetry(role: str, n_workers: int) -> bool:
+    """Workers that store for another worker's D leg post LMCache's store-finished event to the proxy:
+    prefillers, and kv_both workers when there is another worker to hand a D leg to."""
+    return role == "prefill" or (role == "both" and n_workers > 1)
+
+
+def _asked_counts(n: int, tp: int, n_gpus: int, ov: Overrides, reasons: list) -> tuple:
+    p, d, b = ov.prefill, ov.decode, ov.both
+    if not b:
+        p = p or max(1, n - d)
+        d = d or max(1, n - p)
+    if p + d + b < 2 or (d + b) < 1:
+        raise PlanError("a plan of 2+ workers needs at least 1 worker that decodes (--decode or --both) and 2 in "
+                        "all")
+    if p + d + b > n:
+        raise PlanError(f"--prefill {p} --decode {d} --both {b} needs {p + d + b} TP-{tp} workers = "
+                        f"{(p + d + b) * tp} GPUs; this box has {n} workers ({n_gpus} GPUs). Try --both {n}, or "
+                        f"--prefill 1 --decode {n - 1}")
+    if p + d + b < n:
+        reasons.append(f"{n - p - d - b} worker slot(s) left idle: --prefill {p} --decode {d} --both {b} asked")
+    reasons.append(f"{_family(p, d, b)} as asked")
+    return p, d, b
+
+
+def _family(p: int, d: int, b: int) -> str:
+    if not p and not d:
+        return f"{b} both-workers (all kv_both)"
+    return " + ".join(x for x in (f"{p} prefill" if p else "", f"{d} decode" if d else "",
+                                  f"{b} both" if b else "") if x)
+
+
+def _default_counts(n: int, tp: int, gpus: list, model: ModelProfile, work: Workload, ov: Overrides,
+                    reasons: list) -> tuple:
+    """The family with the highest simulated goodput (the twin, the proxy's own decision code), or the
+    fixed rule when the twin cannot model this box."""
+    ranked = rank_families(gpus[0].name, n * tp, model, work, ov, tp) if ov.choose_family else None
+    if isinstance(ranked, str) or ranked is None:
+        p = default_prefill_count(n)
+        if isinstance(ranked, str):
+            reasons.append(f"the twin cannot rank plan families here ({ranked}): fixed rule instead")
+        reasons.append(f"{p} prefill + {n - p} decode from {n} workers: the seed measured decode as the bottleneck "
+                       "for prefix-heavy chat (1:2 to 1:3 prefill:decode), so 1 prefiller per 4 workers")
+        return p, n - p, 0, {}
+    best, rows, predicted = ranked
+    nxt = [r for r in rows if r is not best][:2]
+    reasons.append(
+        f"{best.family} ({_family(best.prefill, best.decode, best.both)}) chosen by the twin: it holds "
+        f"{best.max_rate_under_slo:.3g} req/s with TTFT p95 <= {work.ttft_slo_s:g} s and TPOT p95 <= "
+        f"{work.tpot_slo_ms:g} ms under the {ov.policy} policy"
+        + (", vs " + ", ".join(f"{r.family} {r.max_rate_under_slo:.3g}" for r in nxt) if nxt else "")
+        + f" ({predicted['workload']}; `pdctl plan --what-if` prints every family)")
+    return best.prefill, best.decode, best.both, predicted
+
+
+PLAN_RATES = (1, 2, 4, 8, 16, 32, 64, 128)   # asked req/s ladder of the family ranking (then bisected)
+PLAN_PROMPTS = 300                            # simulated prompts per rate, at least PLAN_WINDOW_S of arrivals
+PLAN_WINDOW_S = 24.0                          # > 2x the E2E of the seed's 252-token answers
+
+
+def plan_workload(work: Workload):
+    """The twin's workload for ranking: the typical prompt, plus the cold share as its own class."""
+    from .twin.simulator import Mix, Workload as SimWorkload
+    warm = SimWorkload(work.input_len, min(work.prefix_len, work.input_len), work.output_len)
+    if not work.cold_share:
+        return warm
+    cold = SimWorkload(work.cold_input_len, 0, work.cold_output_len)
+    if work.cold_share >= 1:
+        return cold
+    return Mix(((1 - work.cold_share, warm), (work.cold_share, cold)))
+
+
+def rank_families(gpu_name: str, n_gpus: int, model: ModelProfile, work: Workload, ov: Overrides, tp: int):
+    return _rank_families(gpu_name, n_gpus, model, work, ov.policy, ov.thresholds, tp)
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_families(gpu_name: str, n_gpus: int, model: ModelProfile, work: Workload, policy: str,
+                   thresholds: Thresholds, tp: int):
+    """(best SplitResult, all rows best first, predicted dict) from the twin, or a string saying why not.
+
+    Pure computation (the twin's discrete-event simulator, seeded): the same inputs give the same ranking."""
+    from .bench import BenchError
+    from .bench.whatif import what_if_engines
+    from .twin.hardware import HardwareError, resolve as resolve_hw
+    try:
+        resolve_hw(gpu_name)
+    except HardwareError as exc:
+        return str(exc)
+    wl = plan_workload(work)
+    try:
+        w = what_if_engines(gpu_name, n_gpus, model.name, wl, PLAN_RATES, slo_ttft_p95_s=work.ttft_slo_s,
+                            policy=policy, tp=tp, num_prompts=PLAN_PROMPTS, seed=2003, kv_size_gb=80.0,
+                            objective="max-rate-under-slo", refine=3, family="all",
+                            slo_tpot_p95_ms=work.tpot_slo_ms, thresholds=thresholds,
+                            min_window_s=PLAN_WINDOW_S)
+    except (BenchError, ValueError, KeyError) as exc:
+        return str(exc)
+    best = w.recommended
+    if best is None:
+        return f"no family holds the SLOs at {PLAN_RATES[0]} req/s"
+    at = max((p for p in best.points if p.under_slo), key=lambda p: p.asked)
+    shape = (f"{work.prefix_len}+{work.input_len - work.prefix_len} in / {work.output_len} out"
+             + (f", {work.cold_share:.0%} cold {work.cold_input_len} in / {work.cold_output_len} out"
+                if work.cold_share else ""))
+    predicted = {"by": "twin", "family": best.family, "kind": best.kind, "policy": policy,
+                 "goodput_req_s": round(best.max_rate_under_slo, 2), "ceiling_req_s": round(best.ceiling, 2),
+                 "at_req_s": at.asked, "ttft_p50_s": round(at.ttft_p50_s, 3), "ttft_p95_s": round(at.ttft_p95_s, 3),
+                 "tpot_p95_ms": round(at.tpot_p95_ms, 1), "aggregated_share": round(at.aggregated, 3),
+                 "slo": {"ttft_p95_s": work.ttft_slo_s, "tpot_p95_ms": work.tpot_slo_ms}, "workload": shape,
+                 "hardware": w.hardware, "ranking": [{"family": r.family, "goodput_req_s": round(r.max_rate_under_slo, 2)}
+                                                     for r in w.rows]}
+    return best, w.rows, predicted
 
 
 def _cpu_plan(inv: Inventory, model: ModelProfile, work: Workload, ov: Overrides, version: str, served: str,

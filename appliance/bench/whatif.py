@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from appliance.twin.costmodel import EngineConfig
 from appliance.twin.hardware import HardwareError, resolve as resolve_hw
-from appliance.twin.simulator import SimError, Workload, simulate
+from appliance.twin.simulator import Mix, SimError, Workload, simulate
 
 from . import BenchError
 
@@ -39,6 +39,8 @@ class RatePoint:
     ttft_p95_s: float
     failed: int
     under_slo: bool
+    tpot_p95_ms: float = 0.0
+    aggregated: float = 0.0             # share of requests the policy served on one worker (no P leg)
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,22 @@ class SplitResult:
     #                                     by bisection between the last asked rate that held and the next one
     recommended: bool = False
     holds_all: bool = False             # every asked rate held: the true limit is above the highest one
+    both: int = 0                       # kv_both engines (soft roles): any leg, or a whole request
+
+    @property
+    def family(self) -> str:
+        """all-both (``3B``), hybrid (``1P2B``) or classic P/D (``1P2D``)."""
+        if not self.prefill and not self.decode:
+            return f"{self.both}B"
+        return f"{self.prefill}P" + (f"{self.decode}D" if self.decode else "") + (f"{self.both}B" if self.both else "")
+
+    @property
+    def kind(self) -> str:
+        return "all-both" if not (self.prefill or self.decode) else ("hybrid" if self.both else "P/D")
 
     @property
     def name(self) -> str:
-        return f"{self.prefill}P{self.decode}D" + (f" TP{self.tp}" if self.tp > 1 else "")
+        return self.family + (f" TP{self.tp}" if self.tp > 1 else "")
 
     def point(self, rate: float) -> Optional[RatePoint]:
         return next((p for p in self.points if p.asked == rate), None)
@@ -72,6 +86,7 @@ class WhatIf:
     rows: tuple                         # SplitResult, best first
     notes: tuple = field(default_factory=tuple)
     engines: int = 0                    # engines the box has room for (GPUs // TP)
+    slo_tpot_p95_ms: Optional[float] = None
 
     @property
     def recommended(self) -> Optional[SplitResult]:
@@ -82,8 +97,9 @@ class WhatIf:
                 "workload": {"input_len": self.workload.input_len, "prefix_len": self.workload.prefix_len,
                              "output_len": self.workload.output_len},
                 "rates": list(self.rates), "slo_ttft_p95_s": self.slo_ttft_p95_s, "notes": list(self.notes),
-                "engines": self.engines,
-                "splits": [{"split": r.name, "prefill": r.prefill, "decode": r.decode, "tp": r.tp,
+                "slo_tpot_p95_ms": self.slo_tpot_p95_ms, "engines": self.engines,
+                "splits": [{"split": r.name, "prefill": r.prefill, "decode": r.decode, "both": r.both,
+                            "kind": r.kind, "tp": r.tp,
                             "ceiling": r.ceiling, "max_rate_under_slo": r.max_rate_under_slo,
                             "holds_all_rates": r.holds_all, "recommended": r.recommended,
                             "points": [p.__dict__ for p in r.points]} for r in self.rows]}
@@ -109,11 +125,49 @@ def splits(n_engines: int) -> list[tuple[int, int]]:
     return [(p, d) for total in range(2, n_engines + 1) for p in range(1, total) for d in (total - p,)]
 
 
-def what_if(inventory, model: str, workload: Workload = Workload(), rates: Sequence[float] = (1, 2, 5, 10, 20),
+def families(n_engines: int) -> list[tuple[int, int, int]]:
+    """(prefill, decode, both) on all ``n_engines``: all-both, hybrids (k prefillers + both-workers) and
+    classic P/D splits, with k up to half the engines (more prefillers than the rest only on 2-3 engines:
+    every measured and simulated workload here is decode-heavy). Fewer engines never hold more."""
+    top = max(1, math.ceil(n_engines / 2)) if n_engines > 3 else n_engines - 1
+    out = [(0, 0, n_engines)]
+    out += [(k, 0, n_engines - k) for k in range(1, top + 1)]
+    out += [(k, n_engines - k, 0) for k in range(1, top + 1)]
+    return out
+
+
+def what_if(inventory, model: str, workload=Workload(), rates: Sequence[float] = (1, 2, 5, 10, 20),
             *, slo_ttft_p95_s: float = 3.5, policy: str = "round-robin", tp: int = 1, num_prompts: int = 600,
             seed: int = 2003, kv_size_gb: float = 80.0, objective: str = "max-rate-under-slo",
-            refine: int = 4) -> WhatIf:
-    """Simulate each feasible P/D split of ``inventory``'s GPUs; rows best first, the recommended one marked."""
+            refine: int = 4, family: str = "pd", slo_tpot_p95_ms: Optional[float] = None,
+            thresholds=None, min_window_s: float = 0.0) -> WhatIf:
+    """Simulate each feasible split of ``inventory``'s GPUs; rows best first, the recommended one marked.
+
+    ``family="pd"``: every P/D split (also on fewer engines), the first round's what-if. ``family="all"``:
+    all-both, hybrids and P/D splits on all engines (``families``), each under ``policy`` (the adaptive
+    one by default in the planner). With a TPOT SLO a rate holds only when both SLOs hold; overload then
+    shows as TPOT growth, so the knee is not capped at the delivered ceiling (which a finite run's drain
+    understates for engines that keep admitting)."""
+    return _what_if(_gpu_setup(inventory, tp), model, workload, rates, slo_ttft_p95_s=slo_ttft_p95_s,
+                    policy=policy, tp=tp, num_prompts=num_prompts, seed=seed, kv_size_gb=kv_size_gb,
+                    objective=objective, refine=refine, family=family, slo_tpot_p95_ms=slo_tpot_p95_ms,
+                    thresholds=thresholds, min_window_s=min_window_s)
+
+
+def _gpu_setup(inventory, tp: int) -> tuple:
+    if tp < 1:
+        raise BenchError(f"--tp must be >= 1, got {tp}")
+    return _gpu_group(inventory)
+
+
+def what_if_engines(gpu_name: str, n_gpus: int, model: str, workload, rates: Sequence[float], **kw) -> WhatIf:
+    """``what_if`` for a box described by its GPU kind and count (the planner's view, no Inventory)."""
+    return _what_if((gpu_name, n_gpus, []), model, workload, rates, **kw)
+
+
+def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_ttft_p95_s: float, policy: str,
+             tp: int, num_prompts: int, seed: int, kv_size_gb: float, objective: str, refine: int, family: str,
+             slo_tpot_p95_ms: Optional[float], thresholds, min_window_s: float = 0.0) -> WhatIf:
     if objective not in OBJECTIVES:
         raise BenchError(f"--objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
     if tp < 1:
@@ -123,7 +177,7 @@ def what_if(inventory, model: str, workload: Workload = Workload(), rates: Seque
     rates = tuple(float(r) for r in rates)
     if not rates or any(not r > 0 or math.isinf(r) for r in rates):
         raise BenchError(f"--rates must be finite numbers > 0, got {list(rates)}")
-    gpu_name, n_gpus, notes = _gpu_group(inventory)
+    gpu_name, n_gpus, notes = setup[0], setup[1], list(setup[2])
     try:
         hw = resolve_hw(gpu_name)
     except HardwareError as exc:
@@ -136,40 +190,60 @@ def what_if(inventory, model: str, workload: Workload = Workload(), rates: Seque
                          f"TP {tp} gives {n_engines}")
     rates = tuple(sorted(set(rates)))
 
-    def sim(p: int, d: int, rs: Sequence[float]) -> list:
+    extra = {"thresholds": thresholds} if thresholds is not None else {}
+
+    def sim(p: int, d: int, b: int, rs: Sequence[float]) -> list:
+        # at least ``min_window_s`` of arrivals per rate: a short run past capacity ends before its queue grows
+        n = max(num_prompts, math.ceil(max(rs) * min_window_s)) if len(rs) == 1 else num_prompts
         try:
-            return simulate(hw, model, p, d, workload, rs, num_prompts=num_prompts, policy=policy, seed=seed,
-                            engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb)
+            return simulate(hw, model, p, d, workload, rs, num_prompts=n, policy=policy, seed=seed,
+                            engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb, both=b, **extra)
         except SimError as exc:
             raise BenchError(f"what-if: {exc}") from None
 
     def holds(s: dict) -> bool:
-        return s["p95_ttft_ms"] / 1000 <= slo_ttft_p95_s and s["failed"] == 0
+        ok = s["p95_ttft_ms"] / 1000 <= slo_ttft_p95_s and s["failed"] == 0
+        return ok and (slo_tpot_p95_ms is None or s["p95_tpot_ms"] <= slo_tpot_p95_ms)
 
+    def point(r: float, s: dict) -> RatePoint:
+        agg = sum(v for k, v in s.get("decisions", {}).items() if k.startswith("aggregate:"))
+        return RatePoint(asked=r, delivered=s["request_throughput"], ttft_p50_s=s["p50_ttft_ms"] / 1000,
+                         ttft_p95_s=s["p95_ttft_ms"] / 1000, failed=s["failed"], under_slo=holds(s),
+                         tpot_p95_ms=s["p95_tpot_ms"], aggregated=agg / max(1, num_prompts))
+
+    shapes = [(p, d, 0) for p, d in splits(n_engines)] if family == "pd" else families(n_engines)
+    if policy == "round-robin":   # the seed's proxy always takes a P leg: no family without a prefiller
+        shapes = [sh for sh in shapes if sh[0] >= 1]
     rows = []
-    for p, d in splits(n_engines):
-        res = sim(p, d, rates)
-        pts = tuple(RatePoint(asked=r, delivered=s["request_throughput"], ttft_p50_s=s["p50_ttft_ms"] / 1000,
-                              ttft_p95_s=s["p95_ttft_ms"] / 1000, failed=s["failed"], under_slo=holds(s))
-                    for r, s in zip(rates, res))
+    for p, d, b in shapes:
+        if family == "pd":
+            pts = tuple(point(r, s) for r, s in zip(rates, sim(p, d, b, rates)))
+        else:   # stop at the first rate that misses: higher ones cannot hold (saves the planner's time)
+            got = []
+            for r in rates:
+                got.append(point(r, sim(p, d, b, [r])[0]))
+                if not got[-1].under_slo:
+                    break
+            pts = tuple(got)
         ok = [i for i, pt in enumerate(pts) if pt.under_slo]
         best_ok = pts[ok[-1]].asked if ok else 0.0
         ceiling = max(pt.delivered for pt in pts)
-        if ok and ok[-1] + 1 < len(pts):           # bisect the knee between the last rate held and the next,
-            # never above the delivered ceiling: a short run past capacity can keep its TTFT p95 low by luck
-            # of timing (the queue has not grown yet), which is no rate to plan for
-            lo, hi = best_ok, min(pts[ok[-1] + 1].asked, max(best_ok, ceiling))
+        if ok and ok[-1] + 1 < len(pts):           # bisect the knee between the last rate held and the next;
+            # TTFT-only: never above the delivered ceiling (a short run past capacity can keep its TTFT p95
+            # low by luck of timing, the queue has not grown yet, which is no rate to plan for)
+            nxt = pts[ok[-1] + 1].asked
+            lo, hi = best_ok, (nxt if slo_tpot_p95_ms is not None else min(nxt, max(best_ok, ceiling)))
             for _ in range(refine):
                 mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if holds(sim(p, d, [mid])[0]) else (lo, mid)
+                lo, hi = (mid, hi) if holds(sim(p, d, b, [mid])[0]) else (lo, mid)
             best_ok = lo
         rows.append(SplitResult(p, d, tp, pts, ceiling, best_ok,
-                                holds_all=bool(ok) and ok[-1] == len(pts) - 1))
+                                holds_all=bool(ok) and ok[-1] == len(rates) - 1, both=b))
 
     def key(r: SplitResult):
         at = max((p for p in r.points if p.under_slo), key=lambda p: p.asked, default=None)
         return (-round(r.max_rate_under_slo, 2), -round(r.ceiling, 1), at.ttft_p95_s if at else math.inf,
-                r.prefill + r.decode, r.prefill)
+                r.prefill + r.decode + r.both, r.prefill, r.decode)
 
     rows.sort(key=key)
     if rows[0].max_rate_under_slo > 0:
@@ -177,31 +251,44 @@ def what_if(inventory, model: str, workload: Workload = Workload(), rates: Seque
     else:
         notes.append(f"no split holds TTFT p95 <= {slo_ttft_p95_s:g}s at any asked rate: lower the rates, "
                      "add GPUs or relax the SLO")
-    return WhatIf(hw.name, model, workload, rates, slo_ttft_p95_s, policy, tuple(rows), tuple(notes), n_engines)
+    return WhatIf(hw.name, model, workload, rates, slo_ttft_p95_s, policy, tuple(rows), tuple(notes), n_engines,
+                  slo_tpot_p95_ms)
 
 
 def render(w: WhatIf) -> str:
-    """Table: one row per split, ceiling and TTFT p50/p95 per rate; ``*`` marks the recommended split."""
+    """Table: one row per split, ceiling and TTFT p50/p95 (and TPOT p95 with a TPOT SLO) per rate; ``*``
+    marks the recommended split."""
     wl = w.workload
+    tpot = w.slo_tpot_p95_ms is not None
+    shape = (f"{wl.prefix_len}+{wl.input_len - wl.prefix_len} in / {wl.output_len} out" if isinstance(wl, Workload)
+             else " + ".join(f"{share:g} x ({c.prefix_len}+{c.input_len - c.prefix_len} in / {c.output_len} out)"
+                             for share, c in Mix.of(wl).classes))
     out = [f"what-if: {w.model} on up to {w.engines} engines of {w.hardware} ({w.policy} routing); workload "
-           f"{wl.prefix_len}+{wl.input_len - wl.prefix_len} in / {wl.output_len} out; SLO TTFT p95 <= "
-           f"{w.slo_ttft_p95_s:g}s"]
+           f"{shape}; SLO TTFT p95 <= {w.slo_ttft_p95_s:g}s" + (f", TPOT p95 <= {w.slo_tpot_p95_ms:g}ms" if tpot
+                                                                 else "")]
+    unit = "p50/p95 s,TPOT" if tpot else "p50/p95 s"
+    width = 23 if tpot else 17
     head = f"  {'split':<10} {'ceiling':>8} {'max@SLO':>8}"
     for r in w.rates:
-        head += f"  {f'{r:g}/s p50/p95 s':>17}"
+        head += f"  {f'{r:g}/s {unit}':>{width}}"
     out.append(head)
     for row in w.rows:
         held = (">=" if row.holds_all else "") + f"{row.max_rate_under_slo:.3g}"
         line = f"{'*' if row.recommended else ' '} {row.name:<10} {row.ceiling:>8.2f} {held:>8}"
-        for p in row.points:
-            cell = f"{p.ttft_p50_s:.2f}/{p.ttft_p95_s:.2f}" + ("" if p.under_slo else "!")
-            line += f"  {cell:>17}"
+        for r in w.rates:
+            p = row.point(r)
+            if p is None:
+                line += f"  {'-':>{width}}"
+                continue
+            cell = f"{p.ttft_p50_s:.2f}/{p.ttft_p95_s:.2f}" + (f",{p.tpot_p95_ms:.0f}ms" if tpot else "")
+            line += f"  {cell + ('' if p.under_slo else '!'):>{width}}"
         out.append(line)
     rec = w.recommended
     out.append(f"* recommended: {rec.name} (holds {'>= ' if rec.holds_all else ''}{rec.max_rate_under_slo:.3g} "
                f"req/s under the SLO, ceiling {rec.ceiling:.2f} req/s)" if rec else "no split meets the SLO")
     if any(r.holds_all for r in w.rows):
         out.append(">= : held at every asked rate; ask higher --rates to find where it stops")
-    out.append("! = TTFT p95 over the SLO (or failures) at that rate; ceiling = highest delivered req/s")
+    out.append("! = over the SLO (or failures) at that rate; - = not simulated (a lower rate already missed); "
+               "ceiling = highest delivered req/s; nB = kv_both engines (soft roles), nP/nD = prefill/decode")
     out.extend(f"note: {n}" for n in w.notes)
     return "\n".join(out)

@@ -21,7 +21,8 @@ from . import render
 from .errors import NOT_FOUND, UNAUTHORIZED, ProxyError, bad_request, unavailable, upstream_failed
 from .legs import DecodeStream, Legs, Passthrough, decode_body
 from .metrics import ProxyMetrics
-from .routing import POLICIES, SKIP_NO_PREFILLER, PrefixIndex, affinity_key
+from ..decide import AGGREGATE, R_NO_PREFILLER, SPLIT
+from .routing import POLICIES, SKIP_NO_PREFILLER, PrefixIndex, Route, affinity_key
 from .scrape import Watcher
 from .server import LeanServer, Request, Response
 from .telemetry import StoreWaiter, new_request_id
@@ -35,6 +36,7 @@ _KNOWN_GET = ("/v1/models", "/health", "/ready", "/metrics")
 # render routes for every text request to match prompt prefixes by token ids (docs/fleet.md).
 _UTILITY_PATHS = ("/tokenize", render.COMPLETIONS_RENDER, render.CHAT_RENDER)
 _SSE_TYPE = "text/event-stream; charset=utf-8"
+STORING_ROLES = ("prefill", "both")   # kv_producer / kv_both: what they compute lands in the KV server
 
 
 CANARY_PROMPT = "pdctl readiness canary: " + " ".join(f"probe{i % 97} check" for i in range(200))
@@ -76,7 +78,8 @@ class ProxyServer:
         prefill = [b for b in self.backends if b.spec.role == "prefill"]
         decode = [b for b in self.backends if b.spec.role in ("decode", "both")]
         self.prefix = PrefixIndex(cfg.prefix_ttl_s)
-        self.policy = POLICIES[cfg.policy](prefill, decode, cfg.pd_min_prompt_tokens, self.prefix)
+        extra = {"thresholds": cfg.thresholds} if cfg.policy == "adaptive" else {}
+        self.policy = POLICIES[cfg.policy](prefill, decode, cfg.pd_min_prompt_tokens, self.prefix, **extra)
         self.legs = Legs(self)
         self.watcher = Watcher(self)
         self.started = time.monotonic()
@@ -115,6 +118,10 @@ class ProxyServer:
                 if v is not None or k not in out:
                     out[k] = v
         return out
+
+    def _decided(self, rt) -> None:
+        self.metrics.decisions.labels(rt.kind, rt.reason).inc()
+        self.counts[f"decision:{rt.kind}:{rt.reason}"] += 1
 
     def _count(self, route: str, outcome: str) -> None:
         self.metrics.count(route, outcome)
@@ -309,7 +316,8 @@ class ProxyServer:
             "inflight": c.get("inflight", 0),
             "backends": [b.status() for b in self.backends],
             "requests": {k: v for k, v in c.items() if ":" in k and not k.startswith(("kv_wait:", "skip:",
-                                                                                       "kv_server:"))},
+                                                                                       "kv_server:", "decision:"))},
+            "decisions": self._decision_mix(),
             "kv_server": {"watched": bool(self.cfg.kv_url), "up": self.kv_up,
                           "outages_seen": c.get("kv_server:down", 0)},
             "pd_skipped": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("skip:")},
@@ -319,6 +327,14 @@ class ProxyServer:
                           "unmatched": self.waiter.unmatched},
             "models": self.known_models(),
         }
+
+    def _decision_mix(self) -> dict:
+        out: dict = {}
+        for k, v in self.counts.items():
+            if k.startswith("decision:"):
+                _, kind, reason = k.split(":", 2)
+                out.setdefault(kind, {})[reason] = v
+        return out
 
     async def h_status(self, request):
         return _json(self.status())
@@ -370,23 +386,25 @@ class ProxyServer:
         m, cfg = self.metrics, self.cfg
         rid = new_request_id()
         echo = crid or rid
-        skip = self.policy.skip_reason(parsed.prompt_text, parsed.prompt_tokens_est)
+        rt = self.policy.route(parsed.prompt_text, parsed.prompt_tokens_est)
+        skip = None if rt.kind == SPLIT else rt.reason
         kv_params = None
         if skip is None:
             waiting = cfg.kv_wait_s > 0 and any(b.spec.telemetry for b in self.policy.prefill)
             if waiting:
                 self.waiter.expect(rid)
             try:
-                pr = await self.legs.prefill(path, parsed.body, rid)
+                pr = await self.legs.prefill(path, parsed.body, rid, rt.prefill, rt.uncached)
             except BaseException:
                 self.waiter.discard(rid)
                 raise
             if isinstance(pr, ProxyError):
                 self.waiter.discard(rid)
-                if cfg.on_prefill_failure != "decode":
+                if cfg.on_prefill_failure != "decode" and self.policy.name != "adaptive":
                     self._count(kind, "unavailable")
                     return error_response(pr, echo)
-                skip = SKIP_NO_PREFILLER
+                skip = SKIP_NO_PREFILLER        # soft roles: the decoder prefills the prompt itself
+                rt = Route(AGGREGATE, R_NO_PREFILLER, None, rt.decode, rt.uncached)
             elif isinstance(pr, Passthrough):
                 self.waiter.discard(rid)
                 self._count(kind, "client_error" if pr.status < 500 else "upstream_error")
@@ -403,13 +421,18 @@ class ProxyServer:
                 kv_params = pr.kv_params
                 if parsed.prompt_tokens_est >= cfg.pd_min_prompt_tokens:
                     self.prefix.record(parsed.prompt_text)
+        self._decided(rt)
         if skip is not None:
             m.pd_skipped.labels(skip).inc()
             self.counts["skip:" + skip] += 1
         route = "decode_only" if skip else "pd"
         data = decode_body(request.body, parsed.body, kv_params)
         aff = affinity_key(request.headers.get("x-session-id"), parsed.prompt_text)
-        d = await self.legs.decode(path, data, rid, aff, parsed.stream)
+        d = await self.legs.decode(path, data, rid, aff, parsed.stream, rt.decode, "full" if skip else "decode",
+                                   rt.uncached if skip else 0)
+        if (skip and isinstance(d, DecodeStream) and d.backend.spec.role in STORING_ROLES
+                and parsed.prompt_tokens_est >= cfg.pd_min_prompt_tokens):
+            self.prefix.record(parsed.prompt_text)     # a kv_both / kv_producer worker stored what it computed
         if isinstance(d, ProxyError):
             self._count(kind, "unavailable" if d.status == 503 else "upstream_error")
             return error_response(d, echo)
@@ -431,6 +454,7 @@ class ProxyServer:
         conn, b = d.conn, d.backend
         idle = self.cfg.idle_timeout_s
         b.inflight += 1
+        b.legs_inflight[d.leg] += 1
         request.stream(200, {"Content-Type": d.content_type or _SSE_TYPE, "Cache-Control": "no-cache",
                              "X-Request-Id": echo})
         outcome, clean = "ok", False
@@ -471,6 +495,7 @@ class ProxyServer:
             outcome = "client_disconnect"
         finally:
             b.inflight -= 1
+            b.legs_inflight[d.leg] -= 1
             if clean:
                 conn.release()
             else:

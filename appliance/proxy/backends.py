@@ -9,6 +9,8 @@ from .breaker import OPEN, Breaker
 from .config import BackendSpec
 from .upstream import Pool, UpstreamError
 
+LEG_KINDS = ("full", "prefill", "decode")   # a whole (aggregated) request, a P leg, a D leg
+
 
 @dataclass(eq=False)
 class Backend:
@@ -30,6 +32,9 @@ class Backend:
     pool: Pool | None = None           # request traffic
     probe_pool: Pool | None = None     # health probes and scrapes, never queued behind requests
     pending: set = field(default_factory=set)    # connections still waiting for their first byte
+    prefill_backlog: int = 0          # uncached prompt tokens sent here whose first byte has not come back
+    legs: dict = field(default_factory=lambda: dict.fromkeys(LEG_KINDS, 0))           # served, by leg kind
+    legs_inflight: dict = field(default_factory=lambda: dict.fromkeys(LEG_KINDS, 0))  # open now, by leg kind
 
     def __post_init__(self):
         u = urlsplit(self.spec.url)
@@ -73,4 +78,6 @@ class Backend:
                 "external_prefix_queries": self.ext_queries, "external_prefix_hits": self.ext_hits,
                 "scrape_age_s": round(time.monotonic() - self.scraped_at, 3) if self.scraped_at else None,
                 "scrape_error": self.scrape_error, "probe_ms": round(self.probe_ms, 2),
-                "telemetry": self.spec.telemetry, "models": sorted(self.models)}
+                "telemetry": self.spec.telemetry, "models": sorted(self.models),
+                "legs": dict(self.legs), "legs_inflight": dict(self.legs_inflight),
+                "prefill_backlog": self.prefill_backlog}

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import constants as C
+from .routing import POLICIES
 from .config import BackendSpec, ProxyConfig, from_plan
 
 
@@ -38,8 +39,14 @@ def register(subparsers) -> None:
     p.add_argument("--prefill", type=_url, action="append", default=[], metavar="URL")
     p.add_argument("--decode", type=_url, action="append", default=[], metavar="URL")
     p.add_argument("--both", type=_url, action="append", default=[], metavar="URL",
-                   help="aggregated workers (no P leg)")
-    p.add_argument("--policy", choices=("pdctl", "round-robin"))
+                   help="kv_both workers: whole requests, P legs and D legs (soft roles)")
+    p.add_argument("--policy", choices=tuple(POLICIES), help="adaptive (default), pdctl or round-robin")
+    p.add_argument("--aggregate-max-uncached", type=int, metavar="TOKENS",
+                   help="adaptive: aggregate while at most this many prompt tokens are uncached")
+    p.add_argument("--split-max-prefill-backlog", type=int, metavar="TOKENS",
+                   help="adaptive: split only while the prefiller's backlog stays under this")
+    p.add_argument("--split-idle-max-running", type=int, metavar="N",
+                   help="adaptive: a both-worker takes P legs only while running at most N sequences")
     p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml (its plan.json is read)")
     p.add_argument("--api-key-file", type=Path, help="file holding the key clients must send as Bearer")
     p.add_argument("--backend-api-key-file", type=Path, help="file holding the engines' --api-key")
@@ -72,8 +79,10 @@ def _read_key(path: Path | None) -> str | None:
 
 def config_from_args(args, plan=None) -> ProxyConfig:
     if args.prefill or args.decode or args.both:
-        specs = ([BackendSpec(u, "prefill", telemetry=args.telemetry_prefill) for u in args.prefill]
-                 + [BackendSpec(u, "decode") for u in args.decode] + [BackendSpec(u, "both") for u in args.both])
+        tel = args.telemetry_prefill
+        specs = ([BackendSpec(u, "prefill", telemetry=tel) for u in args.prefill]
+                 + [BackendSpec(u, "decode") for u in args.decode]
+                 + [BackendSpec(u, "both", telemetry=tel) for u in args.both])
         if not args.decode and not args.both:
             raise SystemExit("pdctl proxy: give at least one --decode (or --both) URL")
         cfg = ProxyConfig(backends=tuple(specs), kv_wait_s=2.0 if args.telemetry_prefill else 0.0)
@@ -89,6 +98,13 @@ def config_from_args(args, plan=None) -> ProxyConfig:
         v = getattr(args, k)
         if v is not None:
             kw[k] = v
+    th = {f: getattr(args, f) for f in ("aggregate_max_uncached", "split_max_prefill_backlog",
+                                        "split_idle_max_running") if getattr(args, f) is not None}
+    if any(v < 0 for v in th.values()):
+        raise SystemExit("pdctl proxy: --aggregate-max-uncached, --split-max-prefill-backlog and "
+                         "--split-idle-max-running must be >= 0")
+    if th:
+        kw["thresholds"] = replace(cfg.thresholds, **th)
     kw["api_key"] = _read_key(args.api_key_file)
     if getattr(args, "public_status", False):
         kw["public_status"] = True

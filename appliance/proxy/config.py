@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import constants as C
+from ..decide import Thresholds
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class ProxyConfig:
     port: int = C.PROXY_PORT
     internal_host: str = C.LOOPBACK
     internal_port: int = C.PROXY_INTERNAL_PORT   # 0 = no internal listener
-    policy: str = "pdctl"                    # "pdctl" | "round-robin"
+    policy: str = "adaptive"                 # "adaptive" | "pdctl" | "round-robin" (routing.POLICIES)
+    thresholds: Thresholds = Thresholds()    # adaptive: when to aggregate or split (appliance/decide.py)
     kv_wait_s: float = 2.0                   # bounded wait for the prefill's KV store (telemetry prefillers only)
     pd_min_prompt_tokens: int = 512          # shorter prompts skip the P leg
     prefix_ttl_s: float = 300.0              # how long a stored prefix counts as "still in the KV server"
@@ -67,6 +69,7 @@ def from_plan(plan, **overrides) -> ProxyConfig:
     p = plan.proxy
     kw = dict(backends=tuple(specs), host=p.host, port=p.port, internal_port=p.internal_port, policy=p.policy,
               kv_wait_s=p.kv_wait_s, pd_min_prompt_tokens=p.pd_min_prompt_tokens,
+              thresholds=Thresholds(p.aggregate_max_uncached, p.split_max_prefill_backlog, p.split_idle_max_running),
               public_status=getattr(p, "public_status", False), kv_url=plan.kv_server.http_url)
     kw.update(overrides)
     return ProxyConfig(**kw)

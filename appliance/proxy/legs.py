@@ -91,6 +91,16 @@ class DecodeStream:
     first: bytes
     seconds: float               # D leg sent -> first chunk
     content_type: str
+    leg: str = "decode"          # "decode" (after a P leg) | "full" (the whole request on one worker)
+
+
+def _prefer(first, pick):
+    """Try the decided backend first while its breaker allows it, then whatever the policy picks."""
+    def choose(excluded):
+        if first is not None and first not in excluded and first.breaker.allows(time.monotonic()):
+            return first
+        return pick(excluded)
+    return choose
 
 
 class Legs:
@@ -103,9 +113,11 @@ class Legs:
             h["Authorization"] = "Bearer " + self.s.cfg.backend_api_key
         return h
 
-    async def _attempts(self, leg: str, pick, call):
+    async def _attempts(self, leg: str, pick, call, kind: str | None = None, backlog: int = 0):
         """Try ``call(backend)`` on up to max_attempts distinct backends; 4xx answers are final.
-        Returns the call's result, or the list of failure reasons (empty: no backend was eligible)."""
+        Returns the call's result, or the list of failure reasons (empty: no backend was eligible).
+        ``kind`` (full/prefill/decode) is counted per backend; ``backlog`` uncached tokens count in the
+        backend's prefill backlog until the call returns (first byte, or the whole P answer)."""
         cfg, m = self.s.cfg, self.s.metrics
         excluded, errors, tried = set(), [], 0
         while tried < cfg.max_attempts:
@@ -121,6 +133,11 @@ class Legs:
             tried += 1
             b.inflight += 1
             b.requests += 1
+            b.prefill_backlog += backlog
+            if kind:
+                b.legs[kind] += 1
+                b.legs_inflight[kind] += 1
+                m.legs.labels(b.label, kind).inc()
             try:
                 out = await call(b)
             except asyncio.CancelledError:
@@ -133,11 +150,14 @@ class Legs:
                 continue
             finally:
                 b.inflight -= 1
+                b.prefill_backlog -= backlog
+                if kind:
+                    b.legs_inflight[kind] -= 1
             b.breaker.success("request")
             return out
         return errors
 
-    async def prefill(self, path: str, body: dict, rid: str):
+    async def prefill(self, path: str, body: dict, rid: str, first=None, backlog: int = 0):
         """PrefillResult, Passthrough (engine refused the request) or ProxyError (no prefiller could do it)."""
         s = self.s
         data = prefill_body(body)
@@ -153,7 +173,7 @@ class Legs:
                 return Passthrough(status, raw, ctype)
             return PrefillResult(b, _kv_params(raw, b.label), time.monotonic() - t0)
 
-        out = await self._attempts("prefill", s.policy.pick_prefill, call)
+        out = await self._attempts("prefill", _prefer(first, s.policy.pick_prefill), call, "prefill", backlog)
         if isinstance(out, list):
             if not out:
                 return unavailable("no prefill worker is available (breakers: "
@@ -162,7 +182,8 @@ class Legs:
             return unavailable("every prefill attempt failed: " + " | ".join(out[-3:]), "prefill_failed")
         return out
 
-    async def decode(self, path: str, data: bytes, rid: str, affinity, stream: bool):
+    async def decode(self, path: str, data: bytes, rid: str, affinity, stream: bool, first=None,
+                     kind: str = "decode", backlog: int = 0):
         """DecodeStream (first chunk in hand), Passthrough, or ProxyError."""
         s = self.s
         headers = self.headers(rid)
@@ -183,17 +204,18 @@ class Legs:
                     ok = True
                     conn.release()
                     return Passthrough(status, raw, ctype)
-                first = await conn.read(timeout)
-                if not first:
+                head = await conn.read(timeout)
+                if not head:
                     raise LegFailure(f"{b.label}: decode stream ended before the first byte")
                 ok = True
-                return DecodeStream(b, conn, first, time.monotonic() - t0, ctype)
+                return DecodeStream(b, conn, head, time.monotonic() - t0, ctype, kind)
             finally:
                 b.pending.discard(conn)
                 if not ok:
                     conn.close()
 
-        out = await self._attempts("decode", lambda ex: s.policy.pick_decode(affinity, ex), call)
+        out = await self._attempts("decode", _prefer(first, lambda ex: s.policy.pick_decode(affinity, ex)), call,
+                                   kind, backlog)
         if isinstance(out, list):
             if not out:
                 return unavailable("no decode worker is available (breakers: "

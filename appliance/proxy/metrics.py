@@ -31,6 +31,12 @@ class ProxyMetrics:
         self.retries = Counter(C.PROXY_RETRIES, "Leg attempts repeated on another backend", ["leg"], registry=r)
         self.kv_wait = Counter(C.PROXY_KV_WAIT, "Waits for LMCache's request_store_finished, by outcome",
                                ["outcome"], registry=r)
+        self.decisions = Counter(C.PROXY_DECISIONS, "Routing decisions: aggregate (one worker) or split (P+D), "
+                                 "by reason (appliance/decide.py)", ["kind", "reason"], registry=r)
+        self.legs = Counter(C.PROXY_LEGS, "Legs served per backend: full (aggregated request), prefill, decode",
+                            ["backend", "leg"], registry=r)
+        self.legs_inflight = Gauge(C.PROXY_LEGS_INFLIGHT, "Legs open per backend now, by leg kind",
+                                   ["backend", "leg"], registry=r)
         self._req_children: dict = {}
         self.ttft_path = {p: self.ttft.labels(p) for p in ("pd", "decode_only")}
         self.e2e_path = {p: self.e2e.labels(p) for p in ("pd", "decode_only")}
@@ -45,6 +51,8 @@ class ProxyMetrics:
     def set_backend_states(self, backends) -> None:
         for b in backends:
             self.backend_state.labels(b.label, b.spec.role).set(STATE_VALUE.get(b.breaker.state, 1))
+            for leg, n in b.legs_inflight.items():
+                self.legs_inflight.labels(b.label, leg).set(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

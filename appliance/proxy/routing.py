@@ -4,14 +4,22 @@
 scraped running/waiting/KV usage) with affinity (``X-Session-Id`` or the first prompt chunk) kept while the
 preferred decoder is not much busier than the least busy one (bounded-load rendezvous hashing).
 ``round-robin``: the seed's baseline, round-robin over each pool, never skips the P leg.
+``adaptive`` (the default): per request, aggregate on one worker or split P/D, from live load, by the
+one pure rule in ``appliance/decide.py`` (the twin's simulator imports the same function).
+
+Every policy answers ``route(prompt_text, prompt_tokens) -> Route``: the decision (kind, reason) and,
+for ``adaptive``, the chosen backends; the legs fall back to ``pick_prefill`` / ``pick_decode`` when a
+chosen backend fails before its first byte.
 """
 from __future__ import annotations
 
 import hashlib
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from .. import constants as C
+from .. import decide as D
 
 CHUNK_CHARS = C.LMCACHE_CHUNK_TOKENS * 4      # ~ one LMCache chunk of text (about 4 characters per token)
 AFFINITY_SLACK = 2.0                           # preferred decoder kept while load <= least + max(slack, 25 %)
@@ -20,6 +28,15 @@ SKIP_AGGREGATED = "aggregated"          # no prefill workers in the plan
 SKIP_SHORT = "short_prompt"             # nothing worth storing: below the threshold
 SKIP_CACHED = "prefix_cached"           # the prefix was stored recently; the rest is short
 SKIP_NO_PREFILLER = "prefill_unavailable"   # every prefiller failed or is open, fallback allowed
+
+
+@dataclass(frozen=True)
+class Route:
+    kind: str                  # decide.AGGREGATE | decide.SPLIT
+    reason: str                # decide.R_* or a skip reason (baselines)
+    prefill: object = None     # Backend chosen for the P leg (adaptive), else the policy picks
+    decode: object = None      # Backend chosen for the whole request or the D leg (adaptive)
+    uncached: int = 0          # estimated prompt tokens not in the KV server
 
 
 def _eligible(pool, excluded):
@@ -88,6 +105,11 @@ class RoundRobin:
     def skip_reason(self, prompt_text: str, prompt_tokens: int) -> str | None:
         return SKIP_AGGREGATED if not self.prefill else None
 
+    def route(self, prompt_text: str, prompt_tokens: int) -> Route:
+        skip = self.skip_reason(prompt_text, prompt_tokens)
+        return Route(D.AGGREGATE, skip, uncached=prompt_tokens) if skip else Route(D.SPLIT, D.R_STATIC,
+                                                                                    uncached=prompt_tokens)
+
     def pick_prefill(self, excluded=()):
         cands = _eligible(self.prefill, excluded)
         return self._rotate(cands, "prefill") if cands else None
@@ -134,7 +156,57 @@ class PdctlPolicy(RoundRobin):
         return ties[0] if len(ties) == 1 else self._rotate(ties)
 
 
-POLICIES = {"pdctl": PdctlPolicy, "round-robin": RoundRobin}
+class AdaptivePolicy(PdctlPolicy):
+    """Aggregate or split per request from live load (``appliance.decide``); soft roles: a ``both`` worker
+    serves whole requests, P legs and D legs."""
+    name = "adaptive"
+
+    def __init__(self, prefill: list, decode: list, min_prompt_tokens: int, prefix: PrefixIndex,
+                 thresholds: D.Thresholds = D.Thresholds()):
+        super().__init__(prefill, decode, min_prompt_tokens, prefix)
+        self.thresholds = thresholds
+        self.workers = list(prefill) + [b for b in decode if b not in prefill]
+        # P-leg fallbacks: dedicated prefillers first, then both-workers
+        self.prefill = list(prefill) + [b for b in decode if b.spec.role == "both"]
+        self._turn = 0
+
+    def skip_reason(self, prompt_text: str, prompt_tokens: int) -> str | None:
+        return None
+
+    def loads(self) -> list:
+        now = time.monotonic()
+        out = []
+        for b in self.workers:
+            fresh = b.scraped_at and now - b.scraped_at < 5.0
+            out.append(D.WorkerLoad(b.label, b.spec.role, b.breaker.allows(now), b.inflight, b.prefill_backlog,
+                                    b.running if fresh else 0.0, b.waiting if fresh else 0.0,
+                                    b.kv_usage if fresh else 0.0))
+        return out
+
+    def route(self, prompt_text: str, prompt_tokens: int) -> Route:
+        cached = min(self.prefix.cached_chars(prompt_text) // 4, prompt_tokens)
+        self._turn += 1
+        d = D.decide(prompt_tokens, cached, self.loads(), self.thresholds, self._turn)
+        if d is None:
+            return Route(D.AGGREGATE, D.R_NO_DECODER, uncached=prompt_tokens - cached)
+        by = {b.label: b for b in self.workers}
+        return Route(d.kind, d.reason, by.get(d.prefill), by[d.decode], d.uncached)
+
+    def pick_prefill(self, excluded=()):
+        cands = _eligible(self.prefill, excluded)
+        if not cands:
+            return None
+        return min(cands, key=lambda b: (b.spec.role != "prefill", b.prefill_backlog, b.inflight))
+
+    def pick_decode(self, affinity: str | None = None, excluded=()):
+        got = super().pick_decode(affinity, excluded)
+        if got is None:   # nothing that decodes is up: a prefiller can serve the whole request
+            cands = _eligible([b for b in self.prefill if b.spec.role == "prefill"], excluded)
+            got = min(cands, key=lambda b: b.load(), default=None)
+        return got
+
+
+POLICIES = {"adaptive": AdaptivePolicy, "pdctl": PdctlPolicy, "round-robin": RoundRobin}
 
 
 def affinity_key(session_id: str | None, prompt_text: str) -> str | None:

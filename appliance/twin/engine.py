@@ -177,6 +177,8 @@ class TwinEngine:
                 seq.payload.token()
             for seq in plan.first_tokens:
                 seq.payload.token()
+                if self.opts.role == "both" and seq.preemptions == 0:
+                    self._store_once(seq)     # kv_both stores the prompt once its prefill is done
             for seq in plan.finished:
                 seq.payload.finish("length")
                 self._on_finished(seq)
@@ -215,7 +217,12 @@ class TwinEngine:
             seq.payload.finish("abort")
 
     def _on_finished(self, seq: Seq) -> None:
-        if self.opts.role in ("prefill", "both") and self.kv is not None:
+        if self.opts.role in ("prefill", "both"):
+            self._store_once(seq)
+
+    def _store_once(self, seq: Seq) -> None:
+        if self.kv is not None and not getattr(seq, "stored", False):
+            seq.stored = True  # type: ignore[attr-defined]
             self._spawn(self._store(seq))
 
     async def _store(self, seq: Seq) -> None:

@@ -40,9 +40,10 @@ from .core import EngineCore, HostLink, Seq
 from .costmodel import CostModel, CostParams, EngineConfig
 from .hardware import Hardware, resolve as resolve_hw
 from .kvstore import ChunkStore
+from ..decide import AGGREGATE, R_STATIC, SPLIT, Thresholds, WorkerLoad, decide
 
 GB = 1e9
-POLICIES = ("round-robin", "pdctl")
+POLICIES = ("round-robin", "pdctl", "adaptive")
 
 
 class SimError(ValueError):
@@ -63,9 +64,43 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Mix:
+    """Several request classes in one stream: (share, Workload) each; every request draws its class
+    (seeded, independent of the arrival times). A class with ``prefix_len`` 0 is cold: nothing shared."""
+    classes: tuple
+
+    @classmethod
+    def of(cls, workload) -> "Mix":
+        if isinstance(workload, Mix):
+            return workload
+        if isinstance(workload, Workload):
+            return cls(((1.0, workload),))
+        return cls(tuple((float(w), wl) for w, wl in workload))
+
+    def check(self) -> None:
+        if not self.classes:
+            raise SimError("a workload mix needs at least one class")
+        for w, wl in self.classes:
+            if not w > 0:
+                raise SimError(f"every class share must be > 0, got {w}")
+            wl.check()
+
+    def pick(self, rng: random.Random) -> int:
+        if len(self.classes) == 1:
+            return 0
+        x = rng.random() * sum(w for w, _ in self.classes)
+        for i, (w, _) in enumerate(self.classes):
+            x -= w
+            if x < 0:
+                return i
+        return len(self.classes) - 1
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     name: str = "round-robin"
     skip_uncached_max: int = 512
+    thresholds: Thresholds = Thresholds()
 
 
 from ..percentiles import percentile  # noqa: E402  (re-exported: one definition)
@@ -90,8 +125,10 @@ class _Loop:
 
 
 class _SimEngine:
-    def __init__(self, name: str, cost: CostModel, loop: _Loop):
+    def __init__(self, name: str, cost: CostModel, loop: _Loop, role: str = "decode"):
         self.name = name
+        self.role = role          # "prefill" (kv_producer) | "decode" (kv_consumer) | "both" (kv_both)
+        self.backlog = 0          # uncached tokens sent here whose prefill has not finished (decide's input)
         self.core = EngineCore(cost)
         self.loop = loop
         self.link_in = HostLink()
@@ -139,6 +176,11 @@ class _Req:
     arrival: float
     keys: list
     chunk_tokens: list
+    wl: "Workload" = None  # type: ignore[assignment]
+    uncached: int = 0                 # adaptive: the decision's uncached-token estimate
+    decode_to: Optional[_SimEngine] = None   # adaptive split: the D leg's engine, chosen at arrival
+    backlog_eng: Optional[_SimEngine] = None
+    leg: int = 0
     ttft: Optional[float] = None
     e2e: Optional[float] = None
     failed: bool = False
@@ -148,67 +190,129 @@ class _Req:
 class _Stack:
     """One run: engines, KV store, proxy policy and result collection."""
 
-    def __init__(self, cost: CostModel, n_prefill: int, n_decode: int, wl: Workload, policy: PolicyConfig,
-                 kv_bytes: int):
+    def __init__(self, cost: CostModel, roles: Sequence[str], mix: "Mix", policy: PolicyConfig, kv_bytes: int):
         self.cost = cost
         self.p = cost.params
         self.loop = _Loop()
-        self.pre = [_SimEngine(f"prefill-{i}", cost, self.loop) for i in range(n_prefill)]
-        self.dec = [_SimEngine(f"decode-{i}", cost, self.loop) for i in range(n_decode)]
+        counters: dict = {}
+        self.engines = []
+        for r in roles:
+            i = counters.get(r, 0)
+            counters[r] = i + 1
+            self.engines.append(_SimEngine(f"{r}-{i}", cost, self.loop, r))
+        self.pre = [e for e in self.engines if e.role == "prefill"]
+        self.dec = [e for e in self.engines if e.role in ("decode", "both")]
+        self.by_name = {e.name: e for e in self.engines}
         self.store = ChunkStore(kv_bytes)
-        self.wl = wl
+        self.mix = mix
         self.policy = policy
         self.rr = 0
         self.inflight = 0
         self.max_inflight = 0
         self.done: list[_Req] = []
         self.last_t = 0.0
+        self.decisions: dict = {}
         kvb = cost.kv_bytes_per_token
         c = LMCACHE_CHUNK_TOKENS
-        self.n_chunks = math.ceil(wl.input_len / c)
-        self.chunk_tokens = [min(c, wl.input_len - j * c) for j in range(self.n_chunks)]
-        self.prefix_chunks = wl.prefix_len // c
-        self.store.store((("p", j), c, c * kvb) for j in range(self.prefix_chunks))  # warm-up
+        for ci, (_, wl) in enumerate(mix.classes):   # warm-up: every class's shared prefix is stored
+            self.store.store((("p", ci, j), c, c * kvb) for j in range(wl.prefix_len // c))
 
-    def keys(self, idx: int) -> list:
-        return [("p", j) if j < self.prefix_chunks else ("r", idx, j) for j in range(self.n_chunks)]
+    @staticmethod
+    def shape(wl: "Workload") -> list:
+        c = LMCACHE_CHUNK_TOKENS
+        return [min(c, wl.input_len - j * c) for j in range(math.ceil(wl.input_len / c))]
+
+    def keys(self, idx: int, ci: int, wl: "Workload") -> list:
+        prefix_chunks = wl.prefix_len // LMCACHE_CHUNK_TOKENS
+        return [("p", ci, j) if j < prefix_chunks else ("r", idx, j)
+                for j in range(math.ceil(wl.input_len / LMCACHE_CHUNK_TOKENS))]
 
     # ---- proxy ---------------------------------------------------------------------------------
     def arrive(self, t: float, req: _Req) -> None:
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
-        if self.policy.name == "pdctl":
-            n = self.wl.input_len
+        name = self.policy.name
+        if name == "adaptive":
+            self._adaptive(t, req)
+            return
+        n = req.wl.input_len
+        if name == "pdctl":
             cached = min(self.store.peek(req.keys), n - 1)
             if not self.pre or n < LMCACHE_CHUNK_TOKENS or n - cached <= self.policy.skip_uncached_max:
                 req.skipped_p = True
+                self._count(AGGREGATE, R_STATIC)
                 self.send_d(t, req)
                 return
             eng = min(self.pre, key=lambda e: e.outstanding)
         else:
             eng = self.pre[self.rr % len(self.pre)]
+        self._count(SPLIT, R_STATIC)
+        self.send_p(t, req, eng)
+
+    def _count(self, kind: str, reason: str) -> None:
+        k = f"{kind}:{reason}"
+        self.decisions[k] = self.decisions.get(k, 0) + 1
+
+    def _adaptive(self, t: float, req: _Req) -> None:
+        n = req.wl.input_len
+        cached = min(self.store.peek(req.keys), n - 1)
+        loads = [WorkerLoad(e.name, e.role, True, e.outstanding, e.backlog, e.core.num_running,
+                            e.core.num_waiting, e.core.kv_usage()) for e in self.engines]
+        self.rr += 1
+        d = decide(n, cached, loads, self.policy.thresholds, self.rr)
+        self._count(d.kind, d.reason)
+        req.uncached = d.uncached
+        if d.kind == AGGREGATE:
+            req.skipped_p = True
+            self.send_d(t, req, self.by_name[d.decode])
+        else:
+            req.decode_to = self.by_name[d.decode]
+            self.send_p(t, req, self.by_name[d.prefill])
+
+    def send_p(self, t: float, req: _Req, eng: _SimEngine) -> None:
         eng.outstanding += 1
+        self.hold_backlog(req, eng)
         self.loop.at(t + self.p.http_hop_s, self.lookup, req, eng, 1)
 
-    def send_d(self, t: float, req: _Req) -> None:
-        if self.policy.name == "pdctl":
-            eng = min(self.dec, key=lambda e: e.outstanding)
-        else:
-            eng = self.dec[self.rr % len(self.dec)]
-            self.rr += 1
+    def send_d(self, t: float, req: _Req, eng: Optional[_SimEngine] = None) -> None:
+        if eng is None:
+            eng = req.decode_to
+        if eng is None:
+            if self.policy.name == "pdctl":
+                eng = min(self.dec, key=lambda e: e.outstanding)
+            else:
+                eng = self.dec[self.rr % len(self.dec)]
+                self.rr += 1
         eng.outstanding += 1
-        self.loop.at(t + self.p.http_hop_s, self.lookup, req, eng, self.wl.output_len)
+        if req.skipped_p:
+            self.hold_backlog(req, eng)
+        self.loop.at(t + self.p.http_hop_s, self.lookup, req, eng, req.wl.output_len)
+
+    @staticmethod
+    def hold_backlog(req: _Req, eng: _SimEngine) -> None:
+        """The request's uncached tokens count in ``eng``'s prefill backlog until its prefill is done."""
+        req.backlog_eng = eng
+        eng.backlog += req.uncached
+
+    @staticmethod
+    def release_backlog(req: _Req) -> None:
+        if req.backlog_eng is not None:
+            req.backlog_eng.backlog -= req.uncached
+            req.backlog_eng = None
 
     # ---- engines -------------------------------------------------------------------------------
     def lookup(self, t: float, req: _Req, eng: _SimEngine, max_tokens: int) -> None:
-        hit = min(self.store.lookup(req.keys, self.chunk_tokens), self.wl.input_len - 1)
-        local = min(eng.local_hit(req.keys, self.chunk_tokens), hit) if self.p.prefix_cache else 0
+        n = req.wl.input_len
+        hit = min(self.store.lookup(req.keys, req.chunk_tokens), n - 1)
+        local = min(eng.local_hit(req.keys, req.chunk_tokens), hit) if self.p.prefix_cache else 0
         ready = eng.link_in.reserve(t + self.p.api_overhead_s + self.p.rpc_s,
                                     self.cost.host_transfer_time(hit - local))
         if hit > local:   # an external load: the connector parks the request until the load is reported
             ready += self.p.kv_load_s
-        seq = Seq(rid=str(req.idx), prompt_len=self.wl.input_len, max_tokens=max_tokens, hit=hit,
-                  payload=_PLeg(self, req, eng) if max_tokens == 1 and eng in self.pre else _DLeg(self, req, eng))
+        p_leg = req.leg == 0 and not req.skipped_p
+        req.leg += 1
+        seq = Seq(rid=str(req.idx), prompt_len=n, max_tokens=max_tokens, hit=hit,
+                  payload=_PLeg(self, req, eng) if p_leg else _DLeg(self, req, eng))
         self.loop.at(ready, self._add, eng, seq)
 
     def _add(self, t: float, eng: _SimEngine, seq: Seq) -> None:
@@ -217,7 +321,7 @@ class _Stack:
 
     def stored(self, t: float, req: _Req) -> None:
         kvb = self.cost.kv_bytes_per_token
-        self.store.store((k, n, n * kvb) for k, n in zip(req.keys, self.chunk_tokens))
+        self.store.store((k, n, n * kvb) for k, n in zip(req.keys, req.chunk_tokens))
 
     def finish(self, t: float, req: _Req) -> None:
         self.inflight -= 1
@@ -237,6 +341,7 @@ class _PLeg:
     def on_finish(self, t: float, seq: Seq) -> None:
         s = self.s
         self.eng.outstanding -= 1
+        s.release_backlog(self.req)
         new = seq.prompt_len - seq.hit
         stored_at = self.eng.link_out.reserve(t, s.cost.host_transfer_time(new))
         s.loop.at(stored_at, s.stored, self.req)
@@ -245,6 +350,7 @@ class _PLeg:
 
     def on_reject(self, t: float, seq: Seq) -> None:
         self.eng.outstanding -= 1
+        self.s.release_backlog(self.req)
         self.req.failed = True
         self.s.finish(t, self.req)
 
@@ -253,7 +359,8 @@ class _DLeg(_PLeg):
     def on_first(self, t: float, seq: Seq) -> None:
         s = self.s
         self.req.ttft = t + s.p.http_hop_s - self.req.arrival
-        if not s.pre and seq.preemptions == 0:   # no prefillers: engines run kv_both and store what they computed
+        s.release_backlog(self.req)
+        if self.eng.role in ("both", "prefill") and seq.preemptions == 0:   # kv_both / kv_producer store
             stored_at = self.eng.link_out.reserve(t, s.cost.host_transfer_time(seq.prompt_len - seq.hit))
             s.loop.at(stored_at, s.stored, self.req)
 
@@ -265,18 +372,23 @@ class _DLeg(_PLeg):
 
 
 def _summary(stack: _Stack, rate: float, num_prompts: int, duration: float, hit0: tuple) -> dict:
-    wl = stack.wl
     ok = [r for r in stack.done if not r.failed and r.ttft is not None]
     failed = num_prompts - len(ok)
     ttft = [r.ttft * 1000 for r in ok]
     e2e = [r.e2e * 1000 for r in ok]
-    tpot = [(r.e2e - r.ttft) * 1000 / (wl.output_len - 1) for r in ok] if wl.output_len > 1 else []
-    out_tokens = wl.output_len * len(ok)
-    in_tokens = wl.input_len * len(ok)
+    tpot = [(r.e2e - r.ttft) * 1000 / (r.wl.output_len - 1) for r in ok if r.wl.output_len > 1]
+    out_tokens = sum(r.wl.output_len for r in ok)
+    in_tokens = sum(r.wl.input_len for r in ok)
     dur = max(duration, 1e-9)
     c = stack.store.c
     req_tok = c.lookup_requested_tokens - hit0[0]
     hit_tok = c.lookup_hit_tokens - hit0[1]
+    busy = [e.core.counters.busy_s / dur for e in stack.engines]
+    # completions per second over the second half of the arrival window: equals the asked rate only while
+    # the stack keeps up (a finite run past capacity can still show low TTFT/TPOT percentiles)
+    last = max((r.arrival for r in stack.done), default=0.0)
+    half = [r for r in ok if last / 2 <= r.arrival + r.e2e <= last]
+    sustained = len(half) / (last / 2) if last > 0 else float(len(ok))
     res = {
         "request_rate": rate if math.isfinite(rate) else "inf",
         "duration": round(dur, 3),
@@ -285,12 +397,15 @@ def _summary(stack: _Stack, rate: float, num_prompts: int, duration: float, hit0
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / dur,
+        "sustained_throughput": sustained,
         "output_throughput": out_tokens / dur,
         "total_token_throughput": (in_tokens + out_tokens) / dur,
         "max_concurrent_requests": stack.max_inflight,
         "kv_hit_rate": hit_tok / req_tok if req_tok else 0.0,
         "p_leg_skipped": sum(1 for r in ok if r.skipped_p),
-        "preemptions": sum(e.core.counters.preemptions for e in stack.pre + stack.dec),
+        "preemptions": sum(e.core.counters.preemptions for e in stack.engines),
+        "decisions": dict(sorted(stack.decisions.items())),
+        "engine_busy": {e.name: round(b, 3) for e, b in zip(stack.engines, busy)},
     }
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2el", e2e)):
         res[f"mean_{name}_ms"] = statistics.fmean(xs) if xs else 0.0
@@ -307,13 +422,18 @@ def _resolve(hardware, model) -> tuple[Hardware, ModelProfile]:
     return hw, mp
 
 
-def simulate_rate(cost: CostModel, prefill: int, decode: int, workload: Workload, rate: float,
-                  num_prompts: int, policy: PolicyConfig, seed: int, kv_bytes: int) -> dict:
-    stack = _Stack(cost, prefill, decode, workload, policy, kv_bytes)
+def simulate_rate(cost: CostModel, roles: Sequence[str], workload, rate: float, num_prompts: int,
+                  policy: PolicyConfig, seed: int, kv_bytes: int) -> dict:
+    mix = Mix.of(workload)
+    stack = _Stack(cost, roles, mix, policy, kv_bytes)
     rng = random.Random(seed)
+    pick = random.Random(seed * 7919 + 1)    # the class draw never shifts the arrival times
+    shapes = [stack.shape(wl) for _, wl in mix.classes]
     t = 0.0
     for i in range(num_prompts):
-        req = _Req(idx=i, arrival=t, keys=stack.keys(i), chunk_tokens=stack.chunk_tokens)
+        ci = mix.pick(pick)
+        wl = mix.classes[ci][1]
+        req = _Req(idx=i, arrival=t, keys=stack.keys(i, ci, wl), chunk_tokens=shapes[ci], wl=wl)
         stack.loop.at(t, stack.arrive, req)
         if math.isfinite(rate):
             t += rng.expovariate(rate)
@@ -323,30 +443,46 @@ def simulate_rate(cost: CostModel, prefill: int, decode: int, workload: Workload
     return _summary(stack, rate, num_prompts, stack.last_t, hit0)
 
 
+def roles_for(prefill: int, decode: int, both: int = 0, policy: str = "round-robin") -> tuple:
+    """Engine roles in plan order. The old ``pdctl`` 0P form (no prefillers) means engines doing both."""
+    if policy == "pdctl" and prefill == 0 and both == 0:
+        decode, both = 0, decode
+    return ("prefill",) * prefill + ("decode",) * decode + ("both",) * both
+
+
 def simulate(hardware: object = "a100-80gb", model: object = "deepseek-v2-lite", prefill: int = 1,
-             decode: int = 2, workload: Workload = Workload(), rates: Sequence[float] = (1, 2, 5, 10),
+             decode: int = 2, workload=Workload(), rates: Sequence[float] = (1, 2, 5, 10),
              num_prompts: int = 600, policy: str = "round-robin", seed: int = 2003,
              params: Optional[CostParams] = None, engine: Optional[EngineConfig] = None,
-             kv_size_gb: float = 80.0, skip_uncached_max: int = 512) -> list[dict]:
-    """One summary dict per rate (``vllm bench serve`` key names + ``kv_hit_rate``); SimError on bad input."""
+             kv_size_gb: float = 80.0, skip_uncached_max: int = 512, both: int = 0,
+             thresholds: Thresholds = Thresholds()) -> list[dict]:
+    """One summary dict per rate (``vllm bench serve`` key names + ``kv_hit_rate``); SimError on bad input.
+
+    Engines: ``prefill`` dedicated prefillers (kv_producer), ``decode`` decoders (kv_consumer), ``both``
+    engines that store and retrieve (kv_both). ``workload`` is a Workload or a Mix."""
     if policy not in POLICIES:
         raise SimError(f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
-    if prefill < (0 if policy == "pdctl" else 1) or decode < 1:
-        raise SimError(f"need >= 1 prefiller (round-robin) and >= 1 decoder, got {prefill}P{decode}D")
+    if min(prefill, decode, both) < 0:
+        raise SimError(f"engine counts must be >= 0, got {prefill}P{decode}D{both}B")
+    if policy == "round-robin" and (prefill < 1 or decode + both < 1):
+        raise SimError(f"need >= 1 prefiller (round-robin) and >= 1 decoder, got {prefill}P{decode + both}D")
+    if decode + both < 1 and not (policy == "adaptive" and prefill):
+        raise SimError(f"need >= 1 engine that decodes, got {prefill}P{decode}D{both}B")
     if num_prompts < 1:
         raise SimError(f"--num-prompts must be >= 1, got {num_prompts}")
     if not rates or any(not (r > 0) for r in rates):
         raise SimError(f"--rates must be positive numbers (or inf), got {list(rates)}")
     if kv_size_gb <= 0:
         raise SimError(f"KV server size must be > 0 GB, got {kv_size_gb}")
-    workload.check()
+    mix = Mix.of(workload)
+    mix.check()
     hw, mp = _resolve(hardware, model)
     cost = CostModel(hw, mp, engine or EngineConfig(), params or CostParams())
     if cost.kv_capacity_tokens() <= 0:
         raise SimError(f"{mp.name} ({mp.weights_bytes / 2**30:.1f} GiB weights) does not fit on {hw.name} "
                        f"at gpu_memory_utilization {cost.cfg.gpu_memory_utilization}: raise tp or pick a "
                        "larger GPU")
-    pol = PolicyConfig(policy, skip_uncached_max)
-    return [simulate_rate(cost, prefill, decode, workload, float(r), num_prompts, pol, seed + i,
-                          int(kv_size_gb * GB))
+    pol = PolicyConfig(policy, skip_uncached_max, thresholds)
+    roles = roles_for(prefill, decode, both, policy)
+    return [simulate_rate(cost, roles, mix, float(r), num_prompts, pol, seed + i, int(kv_size_gb * GB))
             for i, r in enumerate(rates)]

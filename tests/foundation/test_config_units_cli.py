@@ -132,12 +132,12 @@ def rendered(tmp_path_factory):
 def test_dry_run_tree(rendered):
     files = sorted(str(p.relative_to(rendered)) for p in rendered.rglob("*") if p.is_file())
     assert files == ["etc/pdctl/kvcache.env", "etc/pdctl/pdctl.toml", "etc/pdctl/plan.json",
-                     "etc/pdctl/workers/decode-0.env", "etc/pdctl/workers/decode-1.env",
-                     "etc/pdctl/workers/decode-2.env", "etc/pdctl/workers/prefill-0.env",
+                     "etc/pdctl/workers/both-0.env", "etc/pdctl/workers/both-1.env",
+                     "etc/pdctl/workers/both-2.env", "etc/pdctl/workers/both-3.env",
                      "etc/systemd/system/pd-kvcache.service", "etc/systemd/system/pd-proxy.service",
                      "etc/systemd/system/pd-worker@.service", "etc/systemd/system/pd.target"]
-    assert (rendered / "etc/pdctl/workers/prefill-0.env").stat().st_mode & 0o777 == 0o600
-    env = (rendered / "etc/pdctl/workers/prefill-0.env").read_text()
+    assert (rendered / "etc/pdctl/workers/both-0.env").stat().st_mode & 0o777 == 0o600
+    env = (rendered / "etc/pdctl/workers/both-0.env").read_text()
     assert 'LMCACHE_REQUEST_TELEMETRY_ENDPOINT="http://127.0.0.1:9001/api/v1/telemetry"' in env
     units = "".join(p.read_text() for p in (rendered / "etc/systemd/system").iterdir())
     for line in units.splitlines():  # no config value reaches a shell
@@ -145,7 +145,9 @@ def test_dry_run_tree(rendered):
             assert "sh -c" not in line and "bash" not in line
     assert "PartOf=pd.target" in units and "WantedBy=pd.target" in units and "Wants=pd-kvcache.service" in units
     plan = json.loads((rendered / "etc/pdctl/plan.json").read_text())
-    assert [w["instance"] for w in plan["workers"]] == ["prefill-0", "decode-0", "decode-1", "decode-2"]
+    # the default plan for the seed's traffic on 4 H200s: four kv_both workers (the twin's ranking)
+    assert [w["instance"] for w in plan["workers"]] == ["both-0", "both-1", "both-2", "both-3"]
+    assert plan["predicted"]["family"] == "4B" and plan["proxy"]["policy"] == "adaptive"
 
 
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
@@ -170,13 +172,20 @@ def test_affected_units_only_what_changed(tmp_path):
     from appliance.inventory import detect as d
     from appliance.models import resolve
     from appliance.planner import Overrides, make_plan
-    a = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=100))
-    b = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=200))
+    a = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=100, prefill=1, decode=3))
+    b = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=200, prefill=1, decode=3))
     same = U.render(a, "x")
     assert U.affected_units(same, U.render(a, "x")) == set()
     assert U.affected_units(same, U.render(b, "x")) == {"pd-kvcache.service"}
-    c = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=100, policy="round-robin"))
+    c = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"),
+                  ov=Overrides(l1_size_gb=100, prefill=1, decode=3, policy="round-robin"))
     assert U.affected_units(same, U.render(c, "x")) == {"pd-proxy.service"}
+    # switching family (P/D -> hybrid): the workers whose role changed, the KV server (max workers unchanged
+    # here, so not) and the proxy; the prefiller keeps running
+    h = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=100, prefill=1, both=3))
+    changed = U.affected_units(same, U.render(h, "x"))
+    assert "pd-worker@prefill-0.service" not in changed and "pd-proxy.service" in changed
+    assert {"pd-worker@both-0.service", "pd-worker@decode-0.service"} <= changed
 
 
 def test_env_quote():
@@ -191,22 +200,24 @@ def test_plan_cli_json_and_exit_codes():
     r = pdctl("plan", "--gpus", "fake:8xB200", "--model", "deepseek-v3.2-nvfp4", "--json", "--config", "/nonexist.toml")
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
-    assert {w["role"] for w in plan["workers"]} == {"prefill", "decode"}
+    assert {w["role"] for w in plan["workers"]} == {"both"} and plan["predicted"]["family"] == "2B"
     assert plan["kv_server"]["zmq_port"] == 6000 and plan["proxy"]["port"] == 9000 and plan["reasons"]
     r = pdctl("plan", "--gpus", "fake:2xH200", "--prefill", "2", "--decode", "2", "--config", "/nonexist.toml")
-    assert r.returncode == 2 and "Try --prefill 1 --decode 1" in r.stderr
+    assert r.returncode == 2 and "Try --both 2, or --prefill 1 --decode 1" in r.stderr
     r = pdctl("plan", "--gpus", "fake:1xH200", "--config", "/nonexist.toml")
     assert r.returncode == 0 and "aggregated plan" in r.stdout
 
 
 def test_plan_what_if_picks_the_seed_split():
-    """What-if on the seed's box (3x A100, V2-Lite) recommends 1P2D, as the seed measured, and plans it."""
+    """What-if on the seed's box (3x A100, V2-Lite) ranks every family: with the seed's prefix-heavy traffic
+    three kv_both engines beat the seed's 1P2D (the prefiller idles on 1,869 uncached tokens), and plans it."""
     r = pdctl("plan", "--what-if", "--gpus", "fake:3xA100-80GB", "--config", "/nonexist.toml", "--json",
               "--rates", "2,10,20", "--sim-prompts", "150")
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
-    assert [w["role"] for w in plan["workers"]] == ["prefill", "decode", "decode"]
-    assert "* recommended: 1P2D" in r.stderr and "chosen by the twin's what-if" in plan["reasons"][-1]
+    assert [w["role"] for w in plan["workers"]] == ["both", "both", "both"]
+    assert "* recommended: 3B" in r.stderr and "chosen by the twin's what-if" in plan["reasons"][-1]
+    assert all(f in r.stderr for f in ("1P2B", "1P2D", "2P1B", "2P1D"))
     r = pdctl("plan", "--what-if", "--prefill", "1", "--gpus", "fake:3xA100-80GB", "--config", "/nonexist.toml")
     assert r.returncode == 2 and "drop --prefill/--decode" in r.stderr
 

@@ -120,7 +120,7 @@ def spawn():
 def make_cfg(prefill, decode, **kw) -> ProxyConfig:
     specs = tuple([BackendSpec(u, "prefill", name=f"prefill-{i}") for i, u in enumerate(prefill)]
                   + [BackendSpec(u, "decode", name=f"decode-{i}") for i, u in enumerate(decode)])
-    base = ProxyConfig(backends=specs, host="127.0.0.1", port=0, internal_port=0, kv_wait_s=0.0,
+    base = ProxyConfig(backends=specs, host="127.0.0.1", port=0, internal_port=0, kv_wait_s=0.0, policy="pdctl",
                        pd_min_prompt_tokens=0, probe_interval_s=0.2, probe_timeout_s=0.5,
                        scrape_interval_s=0.2, canary_interval_s=0.5, first_byte_timeout_s=3.0,
                        prefill_timeout_s=3.0, breaker_open_s=0.5)
