@@ -545,29 +545,40 @@ def _rank_families(gpu_name: str, n_gpus: int, model: ModelProfile, work: Worklo
 
 def _cpu_plan(inv: Inventory, model: ModelProfile, work: Workload, ov: Overrides, version: str, served: str,
               proxy: ProxyPlan, reasons: list[str]) -> Plan:
-    p = ov.prefill or 1
-    d = ov.decode or 1
-    n = p + d
+    if ov.both:
+        p, d, b = ov.prefill, ov.decode, ov.both
+    else:
+        p, d, b = ov.prefill or 1, ov.decode or 1, 0
+    n = p + d + b
     ncpu = max(1, inv.cpu_count)
     if n > ncpu:
-        raise PlanError(f"--prefill {p} --decode {d}: {n} CPU engines need at least {n} cores, this host has {ncpu}")
+        raise PlanError(f"--prefill {p} --decode {d} --both {b}: {n} CPU engines need at least {n} cores, this "
+                        f"host has {ncpu}")
+    if d + b < 1 or n < 2:
+        raise PlanError("CPU engines: a plan needs 2+ engines, at least one that decodes (--decode or --both)")
     per = ncpu // n
-    _check_ports(ov, p, d)
-    reasons.append(f"CPU engines ({version}): {p} prefill + {d} decode, {per} core(s) each "
+    _check_ports(ov, p, d, b)
+    reasons.append(f"CPU engines ({version}): {_family(p, d, b)}, {per} core(s) each "
                    "(VLLM_CPU_OMP_THREADS_BIND per worker, so engines do not share a core)")
     reasons.append(f"KV cache {ov.kv_cache_bytes_cpu // 1024**2} MiB per engine, set explicitly (vLLM would take "
                    "92 % of RAM otherwise)")
+    if not ov.both and not (ov.prefill or ov.decode):
+        reasons.append("1 prefill + 1 decode by default: the twin has no CPU cost profile to rank families "
+                       "(--both 2 plans two kv_both engines)")
     work = replace(work, max_model_len=min(work.max_model_len, model.max_context))
     workers = []
-    for idx, role in enumerate(["prefill"] * p + ["decode"] * d):
-        i = idx if role == "prefill" else idx - p
-        port = (ov.prefill_port_base if role == "prefill" else ov.decode_port_base) + i
+    counters = {"prefill": 0, "decode": 0, "both": 0}
+    base = {"prefill": ov.prefill_port_base, "decode": ov.decode_port_base, "both": ov.both_port_base}
+    for idx, role in enumerate(["prefill"] * p + ["decode"] * d + ["both"] * b):
+        i = counters[role]
+        counters[role] += 1
+        port = base[role] + i
         cpus = tuple(range(idx * per, (idx + 1) * per))
         argv = _vllm_argv(role, port, 1, model, served, work, ov, version, ov.kv_zmq_port)
-        env = _worker_env(role, [], ov, version, proxy, cpus, model)
+        env = _worker_env(role, [], ov, version, proxy, cpus, model, telemetry=_telemetry(role, n))
         workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=(), port=port, argv=argv, env=env,
                                   tp=1, cpus=cpus))
     kv = _kv_plan(inv, n, n, ov, reasons, cpu_engine=True)
-    return Plan(mode="disaggregated", engine="vllm-cpu", engine_version=version, model=model.hf_id,
+    return Plan(mode="soft" if b else "disaggregated", engine="vllm-cpu", engine_version=version, model=model.hf_id,
                 served_model_name=served, tp=1, workers=tuple(workers), kv_server=kv, proxy=proxy,
                 reasons=tuple(reasons), inventory_source=inv.source, hardware="cpu")
