@@ -12,7 +12,8 @@
 #   --gpus SPEC               INSTALL_PDCTL_GPUS            nvml | fake:4xH200 | twin:4xH200 | none | FILE.json | 0,1,2
 #   --model NAME|DIR          INSTALL_PDCTL_MODEL           registry name or local model directory
 #   --engine KIND             INSTALL_PDCTL_ENGINE          vllm (GPU, default) | vllm-cpu | twin
-#   --prefill N / --decode M  INSTALL_PDCTL_PREFILL/_DECODE worker counts (default: planned)
+#   --prefill N / --decode M  INSTALL_PDCTL_PREFILL/_DECODE worker counts (default: planned by the twin)
+#   --both N                  INSTALL_PDCTL_BOTH            kv_both workers (soft roles; default: planned)
 #   --engine-version V        INSTALL_PDCTL_ENGINE_VERSION  engine version from the flag table
 #   --engine-venv DIR         INSTALL_PDCTL_ENGINE_VENV     use an existing venv holding vllm + lmcache
 #   --uninstall [--purge]     INSTALL_PDCTL_UNINSTALL=1     remove units, user, venv (--purge: also /etc/pdctl, state)
@@ -28,7 +29,7 @@ main() {
   local simulate=${INSTALL_PDCTL_SIMULATE:-0} dry=${INSTALL_PDCTL_DRY_RUN:-0} nostart=${INSTALL_PDCTL_NO_START:-0}
   local uninstall=${INSTALL_PDCTL_UNINSTALL:-0} purge=0
   local gpus=${INSTALL_PDCTL_GPUS:-} model=${INSTALL_PDCTL_MODEL:-} engine=${INSTALL_PDCTL_ENGINE:-}
-  local prefill=${INSTALL_PDCTL_PREFILL:-} decode=${INSTALL_PDCTL_DECODE:-}
+  local prefill=${INSTALL_PDCTL_PREFILL:-} decode=${INSTALL_PDCTL_DECODE:-} both=${INSTALL_PDCTL_BOTH:-}
   local engver=${INSTALL_PDCTL_ENGINE_VERSION:-} engvenv=${INSTALL_PDCTL_ENGINE_VENV:-}
   local wheelhouse=${INSTALL_PDCTL_WHEELHOUSE:-} skip_engines=${INSTALL_PDCTL_SKIP_ENGINES:-0}
   while [ $# -gt 0 ]; do
@@ -43,9 +44,10 @@ main() {
       --engine) engine=${2:?--engine needs a value}; shift ;;
       --prefill) prefill=${2:?--prefill needs a value}; shift ;;
       --decode) decode=${2:?--decode needs a value}; shift ;;
+      --both) both=${2:?--both needs a value}; shift ;;
       --engine-version) engver=${2:?--engine-version needs a value}; shift ;;
       --engine-venv) engvenv=${2:?--engine-venv needs a value}; shift ;;
-      -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+      -h|--help) sed -n '2,/^$/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
       *) fatal 2 "unknown flag $1 (see --help)" ;;
     esac
     shift
@@ -105,6 +107,7 @@ main() {
   [ -n "$engine" ] && args+=(--engine "$engine")
   [ -n "$prefill" ] && args+=(--prefill "$prefill")
   [ -n "$decode" ] && args+=(--decode "$decode")
+  [ -n "$both" ] && args+=(--both "$both")
   [ -n "$engver" ] && args+=(--engine-version "$engver")
   [ -n "$engvenv" ] && args+=(--engine-venv "$engvenv")
   info "pdctl ${args[*]}"

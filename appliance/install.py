@@ -207,6 +207,17 @@ def wait_ready(plan: Plan, timeout: float) -> bool:
     return False
 
 
+def _old_instances(old: dict) -> set:
+    """Worker instances of the plan.json the tree held before this apply."""
+    for rel, f in old.items():
+        if rel.endswith("plan.json"):
+            try:
+                return {w["instance"] for w in json.loads(f.text)["workers"]}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return set()
+    return set()
+
+
 def _relevant_units(changed: set, plan: Plan) -> list[str]:
     out = []
     for u in sorted(changed):
@@ -240,6 +251,13 @@ def apply_files(root: Path, files: dict, plan: Plan, start: bool, restart: bool,
         info("not started (--no-start): `systemctl start pd.target` when ready")
         return EXIT_OK
     active = systemctl("is-active", C.TARGET_UNIT).stdout.strip() == "active"
+    gone = sorted(_old_instances(old) - {w.instance for w in plan.workers})
+    if gone:   # a plan family switch dropped these workers: stop them, never restart them
+        units = [C.worker_unit(i) for i in gone]
+        info(f"stopping {', '.join(units)} (not in the new plan)")
+        systemctl("stop", *units, timeout=300)
+        systemctl("disable", *units)
+        changed = changed - set(units)
     if active and restart and changed:
         units = _relevant_units(changed, plan)
         for u in units:
@@ -300,8 +318,10 @@ def run_install(args: argparse.Namespace) -> int:
     units_active = root == Path("/") and systemctl("is-active", C.TARGET_UNIT).stdout.strip() == "active"
     if root == Path("/"):
         preflight(plan, root, units_active)
-        info(f"plan: {plan.mode}, {len(plan.by_role('prefill'))} prefill + {len(plan.by_role('decode'))} decode"
-             f"{' + 1 aggregated' if plan.by_role('both') else ''} on {plan.hardware}")
+        info(f"plan: {plan.mode}, {len(plan.by_role('prefill'))} prefill + {len(plan.by_role('decode'))} decode + "
+             f"{len(plan.by_role('both'))} both on {plan.hardware}"
+             + (f" (twin: {plan.predicted['family']} holds {plan.predicted['goodput_req_s']} req/s under the SLOs)"
+                if plan.predicted.get("family") else ""))
         ensure_user(existing_groups())
         for d in (C.STATE_DIR,):
             d.mkdir(parents=True, exist_ok=True)

@@ -394,7 +394,8 @@ class ProxyServer:
             if waiting:
                 self.waiter.expect(rid)
             try:
-                pr = await self.legs.prefill(path, parsed.body, rid, rt.prefill, rt.uncached)
+                # never both legs on one worker: a retried P leg avoids the decided D worker
+                pr = await self.legs.prefill(path, parsed.body, rid, rt.prefill, rt.uncached, rt.decode)
             except BaseException:
                 self.waiter.discard(rid)
                 raise

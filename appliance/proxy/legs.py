@@ -157,7 +157,7 @@ class Legs:
             return out
         return errors
 
-    async def prefill(self, path: str, body: dict, rid: str, first=None, backlog: int = 0):
+    async def prefill(self, path: str, body: dict, rid: str, first=None, backlog: int = 0, avoid=None):
         """PrefillResult, Passthrough (engine refused the request) or ProxyError (no prefiller could do it)."""
         s = self.s
         data = prefill_body(body)
@@ -173,7 +173,8 @@ class Legs:
                 return Passthrough(status, raw, ctype)
             return PrefillResult(b, _kv_params(raw, b.label), time.monotonic() - t0)
 
-        out = await self._attempts("prefill", _prefer(first, s.policy.pick_prefill), call, "prefill", backlog)
+        pick = s.policy.pick_prefill if avoid is None else (lambda ex: s.policy.pick_prefill(set(ex) | {avoid}))
+        out = await self._attempts("prefill", _prefer(first, pick), call, "prefill", backlog)
         if isinstance(out, list):
             if not out:
                 return unavailable("no prefill worker is available (breakers: "

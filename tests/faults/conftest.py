@@ -27,6 +27,8 @@ def bare_box():
 @pytest.fixture(scope="package")
 def installed(bare_box):
     """The same container after a simulated install that reached ready."""
-    r = install(bare_box, "--simulate", "--gpus", GPUS, timeout=900)
+    # a classic P/D plan (1 prefill + 3 decode), so the table covers the prefiller's failure too; the
+    # default plan for this traffic is all-both (tests/install)
+    r = install(bare_box, "--simulate", "--gpus", GPUS, "--prefill", "1", "--decode", "3", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return bare_box

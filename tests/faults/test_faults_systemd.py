@@ -128,18 +128,26 @@ def kill_engine(box, instance: str, name: str) -> None:
     return res
 
 
+def proxy_decisions(box) -> dict:
+    r = box.run(["curl", "-sf", "http://127.0.0.1:9001/pdctl/status"], timeout=10)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout).get("decisions", {})
+
+
 def test_kill9_decoder_engine(box):
     res = kill_engine(box, "decode-0", "kill -9 decoder engine")
     assert res["ok"] + res["e503"] + res["stream_error"] == res["sent"], res  # nothing unexplained
 
 
 def test_kill9_prefiller_engine(box):
+    before = proxy_decisions(box)
     res = kill_engine(box, "prefill-0", "kill -9 prefiller engine (the only one)")
-    # the only prefiller: requests in its gap get a 503 naming it (on_prefill_failure = fail)
+    # soft roles: with the only prefiller gone the adaptive policy aggregates on a decoder (which prefills the
+    # prompt itself) instead of answering 503; the first round's pdctl policy answered 52 of 128 with a 503
     assert res["ok"] + res["e503"] + res["stream_error"] == res["sent"], res
-    assert res["e503"] > 0, "every request takes the P leg (unique prompts): its outage must show"
-    for ex in res["examples"].get("e503", []):
-        assert "prefill" in ex, ex
+    assert res["e503"] == 0, res
+    after = proxy_decisions(box)
+    assert after.get("aggregate", {}).get("no_prefiller", 0) > before.get("aggregate", {}).get("no_prefiller", 0)
 
 
 def test_kill9_kv_server(box):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 
 import httpx
+
+from appliance.decide import R_FEW_UNCACHED
 import pytest
 from openai import OpenAI
 
@@ -42,8 +44,10 @@ def counters(http, real_stack) -> dict:
     return {"d_ext": scrape(http, d_url, EXT_HITS), "d_local": scrape(http, d_url, LOCAL_HITS),
             "lmc": scrape(http, real_stack.kv_http, LMC_HITS), "stored": st["kv_wait"].get("stored", 0),
             "timeout": st["kv_wait"].get("timeout", 0), "matched": st["telemetry"]["matched"],
-            "skip_cached": st["pd_skipped"].get("prefix_cached", 0),
-            "skip_short": st["pd_skipped"].get("short_prompt", 0)}
+            # the adaptive policy aggregates on the decoder (no P leg) when few tokens are uncached: a repeated
+            # prefix or a short prompt (appliance/decide.py)
+            "skip_cached": st["pd_skipped"].get(R_FEW_UNCACHED, 0),
+            "skip_short": st["pd_skipped"].get(R_FEW_UNCACHED, 0)}
 
 
 def delta(after: dict, before: dict) -> dict:

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import constants as C
+from appliance.decide import R_FEW_UNCACHED
 from tests.real.stack import expected_hit_tokens, long_prompt, metric_sum
 from tests.install.test_install_systemd import WHEELHOUSE, build_wheelhouse
 
@@ -79,7 +80,7 @@ def counters(box) -> dict:
     return {"d_ext_hits": metric_sum(d, EXT_HITS + "_total"), "d_ext_queries": metric_sum(d, EXT_QUERIES + "_total"),
             "kv_hits": metric_sum(kv, C.LMC_LOOKUP_HIT + "_total"),
             "kv_requested": metric_sum(kv, C.LMC_LOOKUP_REQUESTED + "_total"),
-            "skipped_cached": _labelled(px, C.PROXY_PD_SKIPPED, "reason", "prefix_cached"),
+            "skipped_cached": _labelled(px, C.PROXY_PD_SKIPPED, "reason", R_FEW_UNCACHED),  # adaptive
             "kv_wait_stored": _labelled(px, C.PROXY_KV_WAIT, "outcome", "stored")}
 
 
