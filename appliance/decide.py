@@ -17,8 +17,10 @@ The rule, in plain words (defaults derived by ``benchmarks/decision_thresholds.p
    the least-loaded other worker that can decode. A long prefill kept off the decoders is what keeps
    their TPOT flat (prefill/decode interference).
 4. A split needs a prefiller with room: when every candidate's backlog plus this prompt exceeds
-   ``split_max_prefill_backlog`` tokens, aggregate instead (Dynamo's prefill-queue rule: a long queue
-   in front of the prefiller costs more TTFT than the interference costs TPOT).
+   ``split_max_prefill_backlog`` tokens and the chosen decoder has nothing waiting, aggregate instead
+   (Dynamo's prefill-queue rule: a long queue in front of the prefiller costs more TTFT than the
+   interference costs TPOT). When the decoder has requests waiting it is the bottleneck, and a long
+   prefill there would stall every stream: split anyway, onto the shortest backlog.
 5. Nothing can decode (every decoder open or gone) but a prefiller is up: aggregate on the prefiller.
 
 Workers whose breaker does not allow traffic are never chosen; both legs of a split never go to the
@@ -112,8 +114,8 @@ def decide(prompt_tokens: int, cached_tokens: int, workers: Sequence[WorkerLoad]
     idle_both = [w for w in up if w.role == "both" and w.name != d.name and w.running <= th.split_idle_max_running]
     for pool, reason in ((dedicated, long_reason), (idle_both, R_IDLE_BOTH)):
         room = [w for w in pool if w.prefill_backlog + uncached <= th.split_max_prefill_backlog]
-        if room:
-            p = _least(room, lambda w: (w.prefill_backlog, w.inflight), tiebreak)
+        if room or (pool and d.waiting > 0):
+            p = _least(room or pool, lambda w: (w.prefill_backlog, w.inflight), tiebreak)
             return Decision(SPLIT, reason, d.name, p.name, uncached)
     reason = R_PREFILL_BUSY if dedicated or idle_both else R_NO_PREFILLER
     return Decision(AGGREGATE, reason, d.name, None, uncached)
