@@ -43,15 +43,16 @@ def free_port_run(count: int, start: int = 20000, stop: int = 60000) -> int:
     raise RuntimeError(f"no run of {count} free loopback ports found")
 
 
-def twin_plan(gpus: str, model: str, workdir: Path, prefill: int = 0, decode: int = 0, policy: str = "pdctl",
+def twin_plan(gpus: str, model: str, workdir: Path, prefill: int = 0, decode: int = 0, policy: str = "adaptive",
               time_scale: float = 1.0, kv_server: str = "twin", engine_venv: str = "") -> Plan:
     """Plan a twin stack whose every port is free on this host and whose files live under ``workdir``."""
     inv = detect(gpus)
     n = max(1, len(inv.gpus)) + 4
-    base = free_port_run(2 * n + 4)
+    base = free_port_run(3 * n + 4)
     ov = Overrides(engine="twin", prefill=prefill, decode=decode, venv=sys.prefix, engine_venv=engine_venv or sys.prefix,
                    kv_zmq_port=base, kv_http_port=base + 1, proxy_port=base + 2, proxy_internal_port=base + 3,
-                   prefill_port_base=base + 4, decode_port_base=base + 4 + n, proxy_host="127.0.0.1",
+                   prefill_port_base=base + 4, decode_port_base=base + 4 + n, both_port_base=base + 4 + 2 * n,
+                   proxy_host="127.0.0.1",
                    policy=policy, run_dir=str(workdir / "run"), l1_size_gb=4.0 if kv_server == "twin" else 0.5,
                    twin_time_scale=time_scale, kv_server=kv_server)
     return make_plan(inv, resolve_model(model), Workload(), ov)

@@ -185,7 +185,9 @@ def build(plan: Plan, opt: ExportOptions) -> dict:
     }
     deployments, values_roles = [], {}
     for role in ("prefill", "decode"):
-        ws = plan.by_role(role)
+        # llm-d has two roles; kv_both workers become decode pods (they keep kv_both, so they still store
+        # what they compute; llm-d's own P/D decider then chooses per request what pdctl's proxy chose)
+        ws = plan.by_role(role) + (plan.by_role("both") if role == "decode" else [])
         if not ws:
             continue
         w = ws[0]
@@ -232,7 +234,8 @@ def build(plan: Plan, opt: ExportOptions) -> dict:
         **values_roles,
     }
     reasons = [
-        f"{len(plan.by_role('prefill'))} prefill + {len(plan.by_role('decode'))} decode pods per node x {opt.boxes} "
+        f"{len(plan.by_role('prefill'))} prefill + {len(plan.by_role('decode')) + len(plan.by_role('both'))} decode "
+        f"pods per node x {opt.boxes} "
         f"node(s), TP {plan.tp}, from the plan for {plan.hardware or 'this box'}",
         f"one LMCache MP server per node (DaemonSet {lmc_name}, L1 {kv.l1_size_gb:g} GiB); pods reach it through "
         f"Service {lmc_name} with internalTrafficPolicy Local: the KV L1 never crosses nodes (CUDA IPC)",
@@ -242,6 +245,9 @@ def build(plan: Plan, opt: ExportOptions) -> dict:
         f"hostIPC (CUDA IPC between the vLLM pods and the node's LMCache server) needs namespace {ns} at Pod "
         "Security level 'privileged'; the LMCache pod sees the node's GPUs through NVIDIA_VISIBLE_DEVICES=all",
     ]
+    if plan.by_role("both"):
+        reasons.append(f"{len(plan.by_role('both'))} kv_both worker(s) exported as decode pods: llm-d has no soft "
+                       "roles; they keep kv_role kv_both, so what they compute stays loadable by every pod")
     return {"lmcache-node.yaml": [daemonset, service], "pd-deployments.yaml": deployments,
             "values-modelservice.yaml": values, "reasons": reasons}
 

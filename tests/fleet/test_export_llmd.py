@@ -18,7 +18,23 @@ yaml = pytest.importorskip("yaml")
 
 
 def vllm_plan(gpus="fake:3xA100-80GB", **ov):
+    """A classic P/D plan (1 prefiller, the rest decoders) unless the test asks for other counts."""
+    if not any(k in ov for k in ("prefill", "decode", "both")):
+        ov["prefill"] = 1
     return make_plan(detect(gpus), resolve("deepseek-v2-lite"), Workload(), Overrides(engine="vllm", **ov))
+
+
+def test_all_both_plan_exports_as_kv_both_decode_pods():
+    plan = vllm_plan(both=3)
+    built = build(plan, ExportOptions(namespace="llm", boxes=2))
+    assert validate(all_docs(built, "llm"), kv.latest_version()) == []
+    deps = {d["metadata"]["labels"]["llm-d.ai/role"]: d for d in built["pd-deployments.yaml"]}
+    assert set(deps) == {"decode"} and deps["decode"]["spec"]["replicas"] == 6
+    c = deps["decode"]["spec"]["template"]["spec"]["containers"][0]
+    assert json.loads(_arg(c["args"], "--kv-transfer-config"))["kv_role"] == "kv_both"
+    assert "affinity" not in deps["decode"]["spec"]["template"]["spec"]      # no prefiller to sit next to
+    assert built["values-modelservice.yaml"]["prefill"] == {"create": False, "replicas": 0}
+    assert any("kv_both" in r for r in built["reasons"])
 
 
 def all_docs(built, ns="default"):

@@ -114,7 +114,7 @@ def test_router_passes_the_box_api_key_through(box, tmp_path, capsys):
     key = tmp_path / "key"
     key.write_text("fleet-secret\n")
     port = free_port()
-    legs = [a for w in box.plan.workers if w.role in ("prefill", "decode") for a in (f"--{w.role}", w.url())]
+    legs = [a for w in box.plan.workers if w.role in ("prefill", "decode", "both") for a in (f"--{w.role}", w.url())]
     log = tmp_path / "keyed-proxy.log"
     with open(log, "wb") as fh:
         keyed = subprocess.Popen([sys.executable, "-m", "appliance", "proxy", "--listen", f"127.0.0.1:{port}",
