@@ -109,6 +109,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                          "nonneg"),
         "split_idle_max_running": Key(int, 0, "adaptive: a both-worker takes another worker's P leg only while "
                                               "running at most this many sequences", "nonneg"),
+        "consumer_max_uncached": Key(int, 512, "adaptive: a decode-only worker (kv_consumer, stores nothing) "
+                                               "serves a whole request only while at most this many tokens are "
+                                               "uncached", "nonneg"),
         "kv_wait_s": Key(float, 2.0, "bounded wait for LMCache's request_store_finished before the decode leg "
                                      "(0 = do not wait)", "nonnegf"),
         "pd_min_prompt_tokens": Key(int, 512, "shorter prompts skip the prefill leg", "nonneg"),

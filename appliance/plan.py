@@ -59,6 +59,7 @@ class ProxyPlan:
     aggregate_max_uncached: int = 4096      # adaptive policy thresholds (appliance/decide.py: Thresholds)
     split_max_prefill_backlog: int = 65536
     split_idle_max_running: int = 0
+    consumer_max_uncached: int = 512
 
     @property
     def telemetry_url(self) -> str:
@@ -112,6 +113,7 @@ class Plan:
                        aggregate_max_uncached=int(p.get("aggregate_max_uncached", 4096)),
                        split_max_prefill_backlog=int(p.get("split_max_prefill_backlog", 65536)),
                        split_idle_max_running=int(p.get("split_idle_max_running", 0)),
+                       consumer_max_uncached=int(p.get("consumer_max_uncached", 512)),
                        pd_min_prompt_tokens=int(p.get("pd_min_prompt_tokens", 512)),
                        api_key_file=str(p.get("api_key_file", "")), public_status=bool(p.get("public_status", False)))
         return cls(mode=d["mode"], engine=d["engine"], engine_version=d.get("engine_version", ""),

@@ -350,7 +350,8 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
     proxy = ProxyPlan(host=ov.proxy_host, port=ov.proxy_port, internal_port=ov.proxy_internal_port, policy=ov.policy,
                       aggregate_max_uncached=th.aggregate_max_uncached,
                       split_max_prefill_backlog=th.split_max_prefill_backlog,
-                      split_idle_max_running=th.split_idle_max_running)
+                      split_idle_max_running=th.split_idle_max_running,
+                      consumer_max_uncached=th.consumer_max_uncached)
 
     if ov.engine == "vllm-cpu":
         return _cpu_plan(inv, model, work, ov, version, served, proxy, reasons)

@@ -47,6 +47,8 @@ def register(subparsers) -> None:
                    help="adaptive: split only while the prefiller's backlog stays under this")
     p.add_argument("--split-idle-max-running", type=int, metavar="N",
                    help="adaptive: a both-worker takes P legs only while running at most N sequences")
+    p.add_argument("--consumer-max-uncached", type=int, metavar="TOKENS",
+                   help="adaptive: a decode-only worker serves a whole request only up to this many uncached")
     p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml (its plan.json is read)")
     p.add_argument("--api-key-file", type=Path, help="file holding the key clients must send as Bearer")
     p.add_argument("--backend-api-key-file", type=Path, help="file holding the engines' --api-key")
@@ -99,10 +101,11 @@ def config_from_args(args, plan=None) -> ProxyConfig:
         if v is not None:
             kw[k] = v
     th = {f: getattr(args, f) for f in ("aggregate_max_uncached", "split_max_prefill_backlog",
-                                        "split_idle_max_running") if getattr(args, f) is not None}
+                                        "split_idle_max_running", "consumer_max_uncached")
+          if getattr(args, f) is not None}
     if any(v < 0 for v in th.values()):
-        raise SystemExit("pdctl proxy: --aggregate-max-uncached, --split-max-prefill-backlog and "
-                         "--split-idle-max-running must be >= 0")
+        raise SystemExit("pdctl proxy: --aggregate-max-uncached, --split-max-prefill-backlog, "
+                         "--split-idle-max-running and --consumer-max-uncached must be >= 0")
     if th:
         kw["thresholds"] = replace(cfg.thresholds, **th)
     kw["api_key"] = _read_key(args.api_key_file)

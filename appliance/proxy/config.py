@@ -69,7 +69,8 @@ def from_plan(plan, **overrides) -> ProxyConfig:
     p = plan.proxy
     kw = dict(backends=tuple(specs), host=p.host, port=p.port, internal_port=p.internal_port, policy=p.policy,
               kv_wait_s=p.kv_wait_s, pd_min_prompt_tokens=p.pd_min_prompt_tokens,
-              thresholds=Thresholds(p.aggregate_max_uncached, p.split_max_prefill_backlog, p.split_idle_max_running),
+              thresholds=Thresholds(p.aggregate_max_uncached, p.split_max_prefill_backlog, p.split_idle_max_running,
+                                    p.consumer_max_uncached),
               public_status=getattr(p, "public_status", False), kv_url=plan.kv_server.http_url)
     kw.update(overrides)
     return ProxyConfig(**kw)

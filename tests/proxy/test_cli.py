@@ -162,3 +162,28 @@ def test_plan_mode_reads_the_api_key_file_from_the_settings(fresh, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_adaptive_thresholds_from_flags_and_from_the_plan():
+    import argparse
+
+    import pytest
+
+    from appliance.decide import Thresholds
+    from appliance.proxy import cli as pcli
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers()
+    pcli.register(sub)
+    args = ap.parse_args(["proxy", "--both", "http://127.0.0.1:1", "--both", "http://127.0.0.1:2",
+                          "--aggregate-max-uncached", "0", "--split-idle-max-running", "9"])
+    cfg = pcli.config_from_args(args)
+    assert cfg.policy == "adaptive" and [b.role for b in cfg.backends] == ["both", "both"]
+    assert cfg.thresholds == Thresholds(aggregate_max_uncached=0, split_idle_max_running=9)
+    with pytest.raises(SystemExit, match="must be >= 0"):
+        pcli.config_from_args(ap.parse_args(["proxy", "--both", "http://127.0.0.1:1", "--consumer-max-uncached", "-1"]))
+    from appliance.inventory import detect
+    from appliance.models import resolve
+    from appliance.planner import Overrides, Workload, make_plan
+    th = Thresholds(1000, 2000, 3, 4)
+    plan = make_plan(detect("fake:2xH200"), resolve("deepseek-v2-lite"), Workload(), Overrides(both=2, thresholds=th))
+    assert from_plan(Plan.from_json(plan.to_json())).thresholds == th     # through plan.json, unchanged
