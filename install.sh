@@ -14,9 +14,14 @@
 #   --engine KIND             INSTALL_PDCTL_ENGINE          vllm (GPU, default) | vllm-cpu | twin
 #   --prefill N / --decode M  INSTALL_PDCTL_PREFILL/_DECODE worker counts (default: planned by the twin)
 #   --both N                  INSTALL_PDCTL_BOTH            kv_both workers (soft roles; default: planned)
+#   --tp K                    INSTALL_PDCTL_TP              tensor-parallel size per worker (default: smallest that fits)
+#   --policy P                INSTALL_PDCTL_POLICY          adaptive (default) | pdctl | round-robin
+#   --max-model-len N         INSTALL_PDCTL_MAX_MODEL_LEN   vLLM --max-model-len
+#   --served-model-name S     INSTALL_PDCTL_SERVED_MODEL_NAME  the name clients put in "model"
 #   --engine-version V        INSTALL_PDCTL_ENGINE_VERSION  engine version from the flag table
 #   --engine-venv DIR         INSTALL_PDCTL_ENGINE_VENV     use an existing venv holding vllm + lmcache
-#   --uninstall [--purge]     INSTALL_PDCTL_UNINSTALL=1     remove units, user, venv (--purge: also /etc/pdctl, state)
+#   --uninstall [--purge]     INSTALL_PDCTL_UNINSTALL=1     remove units, user, venv (--purge, INSTALL_PDCTL_PURGE=1:
+#                                                           also /etc/pdctl and state)
 # Other overrides:
 #   INSTALL_PDCTL_PREFIX      where pdctl's venv goes (default /opt/pdctl)
 #   INSTALL_PDCTL_WHEELHOUSE  install Python packages only from this directory (offline hosts, CI)
@@ -27,7 +32,9 @@ main() {
   local here; here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
   local prefix=${INSTALL_PDCTL_PREFIX:-/opt/pdctl}
   local simulate=${INSTALL_PDCTL_SIMULATE:-0} dry=${INSTALL_PDCTL_DRY_RUN:-0} nostart=${INSTALL_PDCTL_NO_START:-0}
-  local uninstall=${INSTALL_PDCTL_UNINSTALL:-0} purge=0
+  local uninstall=${INSTALL_PDCTL_UNINSTALL:-0} purge=${INSTALL_PDCTL_PURGE:-0}
+  local tp=${INSTALL_PDCTL_TP:-} policy=${INSTALL_PDCTL_POLICY:-} mml=${INSTALL_PDCTL_MAX_MODEL_LEN:-}
+  local served=${INSTALL_PDCTL_SERVED_MODEL_NAME:-}
   local gpus=${INSTALL_PDCTL_GPUS:-} model=${INSTALL_PDCTL_MODEL:-} engine=${INSTALL_PDCTL_ENGINE:-}
   local prefill=${INSTALL_PDCTL_PREFILL:-} decode=${INSTALL_PDCTL_DECODE:-} both=${INSTALL_PDCTL_BOTH:-}
   local engver=${INSTALL_PDCTL_ENGINE_VERSION:-} engvenv=${INSTALL_PDCTL_ENGINE_VENV:-}
@@ -45,6 +52,10 @@ main() {
       --prefill) prefill=${2:?--prefill needs a value}; shift ;;
       --decode) decode=${2:?--decode needs a value}; shift ;;
       --both) both=${2:?--both needs a value}; shift ;;
+      --tp) tp=${2:?--tp needs a value}; shift ;;
+      --policy) policy=${2:?--policy needs a value}; shift ;;
+      --max-model-len) mml=${2:?--max-model-len needs a value}; shift ;;
+      --served-model-name) served=${2:?--served-model-name needs a value}; shift ;;
       --engine-version) engver=${2:?--engine-version needs a value}; shift ;;
       --engine-venv) engvenv=${2:?--engine-venv needs a value}; shift ;;
       -h|--help) sed -n '2,/^$/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
@@ -83,7 +94,13 @@ main() {
     "$py" -m venv "$prefix"
   fi
   info "installing pdctl into $prefix"
-  "$prefix/bin/python" -m pip install "${pipopts[@]}" "$here" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  local piplog; piplog=$(mktemp)
+  if ! "$prefix/bin/python" -m pip install "${pipopts[@]}" "$here" >"$piplog" 2>&1; then
+    grep -v '^WARNING: Location' "$piplog" | tail -40 >&2
+    rm -f "$piplog"
+    fatal 1 "pip could not install pdctl into $prefix (its output is above)"
+  fi
+  rm -f "$piplog"
   "$prefix/bin/python" -c 'import appliance' || fatal 1 "pdctl did not install into $prefix (see the pip output above)"
   ln -sf "$prefix/bin/pdctl" /usr/local/bin/pdctl
 
@@ -108,6 +125,10 @@ main() {
   [ -n "$prefill" ] && args+=(--prefill "$prefill")
   [ -n "$decode" ] && args+=(--decode "$decode")
   [ -n "$both" ] && args+=(--both "$both")
+  [ -n "$tp" ] && args+=(--tp "$tp")
+  [ -n "$policy" ] && args+=(--policy "$policy")
+  [ -n "$mml" ] && args+=(--max-model-len "$mml")
+  [ -n "$served" ] && args+=(--served-model-name "$served")
   [ -n "$engver" ] && args+=(--engine-version "$engver")
   [ -n "$engvenv" ] && args+=(--engine-venv "$engvenv")
   info "pdctl ${args[*]}"
