@@ -26,6 +26,7 @@ from .routing import POLICIES, SKIP_NO_PREFILLER, PrefixIndex, Route, affinity_k
 from .scrape import Watcher
 from .server import LeanServer, Request, Response
 from .telemetry import StoreWaiter, new_request_id
+from .tokens import CharsPerToken
 from .upstream import UpstreamError
 from .validate import CHAT, COMPLETIONS, parse
 
@@ -78,8 +79,11 @@ class ProxyServer:
         prefill = [b for b in self.backends if b.spec.role == "prefill"]
         decode = [b for b in self.backends if b.spec.role in ("decode", "both")]
         self.prefix = PrefixIndex(cfg.prefix_ttl_s)
+        self.chars_per_token = CharsPerToken()
         extra = {"thresholds": cfg.thresholds} if cfg.policy == "adaptive" else {}
         self.policy = POLICIES[cfg.policy](prefill, decode, cfg.pd_min_prompt_tokens, self.prefix, **extra)
+        if hasattr(self.policy, "chars_per_token"):
+            self.policy.chars_per_token = lambda: self.chars_per_token.value
         self.legs = Legs(self)
         self.watcher = Watcher(self)
         self.started = time.monotonic()
@@ -323,6 +327,7 @@ class ProxyServer:
             "pd_skipped": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("skip:")},
             "kv_wait": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("kv_wait:")},
             "retries": c.get("retries", 0),
+            "chars_per_token": {"value": round(self.chars_per_token.value, 3), "learned": self.chars_per_token.learned},
             "telemetry": {"events": self.waiter.events, "matched": self.waiter.matched,
                           "unmatched": self.waiter.unmatched},
             "models": self.known_models(),
@@ -386,7 +391,9 @@ class ProxyServer:
         m, cfg = self.metrics, self.cfg
         rid = new_request_id()
         echo = crid or rid
-        rt = self.policy.route(parsed.prompt_text, parsed.prompt_tokens_est)
+        chars = len(parsed.prompt_text)
+        tokens = parsed.prompt_tokens_est if parsed.tokens_exact else self.chars_per_token.estimate(chars)
+        rt = self.policy.route(parsed.prompt_text, tokens)
         skip = None if rt.kind == SPLIT else rt.reason
         kv_params = None
         if skip is None:
@@ -395,7 +402,7 @@ class ProxyServer:
                 self.waiter.expect(rid)
             try:
                 # never both legs on one worker: a retried P leg avoids the decided D worker
-                pr = await self.legs.prefill(path, parsed.body, rid, rt.prefill, rt.uncached, rt.decode)
+                pr = await self.legs.prefill(path, parsed.body, rid, rt.prefill, rt.uncached, rt.decode, chars)
             except BaseException:
                 self.waiter.discard(rid)
                 raise
@@ -430,7 +437,7 @@ class ProxyServer:
         data = decode_body(request.body, parsed.body, kv_params)
         aff = affinity_key(request.headers.get("x-session-id"), parsed.prompt_text)
         d = await self.legs.decode(path, data, rid, aff, parsed.stream, rt.decode, "full" if skip else "decode",
-                                   rt.uncached if skip else 0)
+                                   rt.uncached if skip else 0, chars)
         if (skip and isinstance(d, DecodeStream) and d.backend.spec.role in STORING_ROLES
                 and parsed.prompt_tokens_est >= cfg.pd_min_prompt_tokens):
             self.prefix.record(parsed.prompt_text)     # a kv_both / kv_producer worker stored what it computed
@@ -528,13 +535,14 @@ class ProxyServer:
         rid = new_request_id()
         kv = None
         if self.policy.prefill:
-            pr = await self.legs.prefill("/v1/completions", body, rid)
+            pr = await self.legs.prefill("/v1/completions", body, rid, chars=len(body["prompt"]))
             if isinstance(pr, (ProxyError, Passthrough)):
                 why = pr.message if isinstance(pr, ProxyError) else f"prefill HTTP {pr.status}: {pr.body[:120]!r}"
                 self.canary.update(ok=False, error="P leg: " + why)
                 return False
             kv = pr.kv_params
-        d = await self.legs.decode("/v1/completions", decode_body(raw, body, kv), rid, None, False)
+        d = await self.legs.decode("/v1/completions", decode_body(raw, body, kv), rid, None, False,
+                                   chars=len(body["prompt"]))
         if isinstance(d, ProxyError) or d.status != 200:
             why = d.message if isinstance(d, ProxyError) else f"HTTP {d.status}: {d.body[:120]!r}"
             self.canary.update(ok=False, error="D leg: " + why)

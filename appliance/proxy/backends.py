@@ -33,6 +33,9 @@ class Backend:
     probe_pool: Pool | None = None     # health probes and scrapes, never queued behind requests
     pending: set = field(default_factory=set)    # connections still waiting for their first byte
     prefill_backlog: int = 0          # uncached prompt tokens sent here whose first byte has not come back
+    prompt_chars_sent: int = 0        # prompt characters of every leg sent here (tokens.py calibration)
+    chars_seen: int = 0               # prompt_chars_sent at the last scrape
+    tokens_seen: float | None = None  # vllm:prompt_tokens_total at the last scrape
     legs: dict = field(default_factory=lambda: dict.fromkeys(LEG_KINDS, 0))           # served, by leg kind
     legs_inflight: dict = field(default_factory=lambda: dict.fromkeys(LEG_KINDS, 0))  # open now, by leg kind
 

@@ -113,7 +113,7 @@ class Legs:
             h["Authorization"] = "Bearer " + self.s.cfg.backend_api_key
         return h
 
-    async def _attempts(self, leg: str, pick, call, kind: str | None = None, backlog: int = 0):
+    async def _attempts(self, leg: str, pick, call, kind: str | None = None, backlog: int = 0, chars: int = 0):
         """Try ``call(backend)`` on up to max_attempts distinct backends; 4xx answers are final.
         Returns the call's result, or the list of failure reasons (empty: no backend was eligible).
         ``kind`` (full/prefill/decode) is counted per backend; ``backlog`` uncached tokens count in the
@@ -134,6 +134,7 @@ class Legs:
             b.inflight += 1
             b.requests += 1
             b.prefill_backlog += backlog
+            b.prompt_chars_sent += chars
             if kind:
                 b.legs[kind] += 1
                 b.legs_inflight[kind] += 1
@@ -157,7 +158,8 @@ class Legs:
             return out
         return errors
 
-    async def prefill(self, path: str, body: dict, rid: str, first=None, backlog: int = 0, avoid=None):
+    async def prefill(self, path: str, body: dict, rid: str, first=None, backlog: int = 0, avoid=None,
+                      chars: int = 0):
         """PrefillResult, Passthrough (engine refused the request) or ProxyError (no prefiller could do it)."""
         s = self.s
         data = prefill_body(body)
@@ -174,7 +176,7 @@ class Legs:
             return PrefillResult(b, _kv_params(raw, b.label), time.monotonic() - t0)
 
         pick = s.policy.pick_prefill if avoid is None else (lambda ex: s.policy.pick_prefill(set(ex) | {avoid}))
-        out = await self._attempts("prefill", _prefer(first, pick), call, "prefill", backlog)
+        out = await self._attempts("prefill", _prefer(first, pick), call, "prefill", backlog, chars)
         if isinstance(out, list):
             if not out:
                 return unavailable("no prefill worker is available (breakers: "
@@ -184,7 +186,7 @@ class Legs:
         return out
 
     async def decode(self, path: str, data: bytes, rid: str, affinity, stream: bool, first=None,
-                     kind: str = "decode", backlog: int = 0):
+                     kind: str = "decode", backlog: int = 0, chars: int = 0):
         """DecodeStream (first chunk in hand), Passthrough, or ProxyError."""
         s = self.s
         headers = self.headers(rid)
@@ -216,7 +218,7 @@ class Legs:
                     conn.close()
 
         out = await self._attempts("decode", _prefer(first, lambda ex: s.policy.pick_decode(affinity, ex)), call,
-                                   kind, backlog)
+                                   kind, backlog, chars)
         if isinstance(out, list):
             if not out:
                 return unavailable("no decode worker is available (breakers: "

@@ -165,6 +165,7 @@ class AdaptivePolicy(PdctlPolicy):
                  thresholds: D.Thresholds = D.Thresholds()):
         super().__init__(prefill, decode, min_prompt_tokens, prefix)
         self.thresholds = thresholds
+        self.chars_per_token = lambda: 4.0     # the server points this at its learned ratio (tokens.py)
         self.workers = list(prefill) + [b for b in decode if b not in prefill]
         # P-leg fallbacks: dedicated prefillers first, then both-workers
         self.prefill = list(prefill) + [b for b in decode if b.spec.role == "both"]
@@ -184,7 +185,7 @@ class AdaptivePolicy(PdctlPolicy):
         return out
 
     def route(self, prompt_text: str, prompt_tokens: int) -> Route:
-        cached = min(self.prefix.cached_chars(prompt_text) // 4, prompt_tokens)
+        cached = min(int(self.prefix.cached_chars(prompt_text) / self.chars_per_token()), prompt_tokens)
         self._turn += 1
         d = D.decide(prompt_tokens, cached, self.loads(), self.thresholds, self._turn)
         if d is None:

@@ -13,7 +13,8 @@ from .upstream import UpstreamError, UpstreamTimeout
 log = logging.getLogger("pdctl.proxy")
 
 _WANT = {C.VLLM_RUNNING: "running", C.VLLM_WAITING: "waiting", C.VLLM_KV_USAGE: "kv_usage",
-         C.VLLM_EXT_PREFIX_QUERIES + "_total": "ext_queries", C.VLLM_EXT_PREFIX_HITS + "_total": "ext_hits"}
+         C.VLLM_EXT_PREFIX_QUERIES + "_total": "ext_queries", C.VLLM_EXT_PREFIX_HITS + "_total": "ext_hits",
+         C.VLLM_PROMPT_TOKENS + "_total": "prompt_tokens"}
 
 
 def parse_load(text: str) -> dict:
@@ -112,6 +113,15 @@ class Watcher:
             await asyncio.gather(*(self.probe(b) for b in self.s.backends), return_exceptions=True)
             await asyncio.sleep(self.s.cfg.probe_interval_s)
 
+    def _calibrate(self, b, tokens) -> None:
+        """Feed the characters sent to ``b`` since its last scrape and its prompt-token growth to the
+        server's chars-per-token estimate (tokens.py)."""
+        if tokens is None:
+            return
+        if b.tokens_seen is not None:
+            self.s.chars_per_token.observe(b.prompt_chars_sent - b.chars_seen, tokens - b.tokens_seen)
+        b.tokens_seen, b.chars_seen = tokens, b.prompt_chars_sent
+
     async def scrape(self, b) -> None:
         try:
             status, body = await self._get(b, "/metrics", max(1.0, self.s.cfg.probe_timeout_s))
@@ -125,6 +135,7 @@ class Watcher:
         b.running, b.waiting = vals.get("running", 0.0), vals.get("waiting", 0.0)
         b.kv_usage = vals.get("kv_usage", 0.0)
         b.ext_queries, b.ext_hits = vals.get("ext_queries"), vals.get("ext_hits")
+        self._calibrate(b, vals.get("prompt_tokens"))
         b.scraped_at = time.monotonic()
         b.scrape_error = "" if "running" in vals else f"{C.VLLM_RUNNING} missing from /metrics"
 

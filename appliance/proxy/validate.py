@@ -25,6 +25,7 @@ class Parsed:
     stream: bool
     prompt_text: str          # what affinity/prefix hashing looks at (text, or token ids rendered)
     prompt_tokens_est: int    # exact for token-id prompts, ~chars/4 for text
+    tokens_exact: bool = False   # token-id prompt: prompt_tokens_est is the real count
 
 
 def _is_int(v) -> bool:
@@ -80,7 +81,8 @@ def parse(raw: bytes, kind: str, max_tokens_limit: int) -> Parsed | ProxyError:
         return text
     est = text[1] if isinstance(text, tuple) else len(text) // 4
     txt = text[0] if isinstance(text, tuple) else text
-    return Parsed(body=body, kind=kind, model=model, stream=stream, prompt_text=txt, prompt_tokens_est=est)
+    return Parsed(body=body, kind=kind, model=model, stream=stream, prompt_text=txt, prompt_tokens_est=est,
+                  tokens_exact=isinstance(text, tuple))
 
 
 def chat_text(messages) -> str | ProxyError:
