@@ -150,7 +150,7 @@ def _what_if_split(args: argparse.Namespace, s) -> str:
     from .bench.workload import load_profile
     from .inventory import detect
     from .plan_settings import planner_inputs
-    from .planner import PLAN_WINDOW_S, plan_workload
+    from .families import PLAN_WINDOW_S, plan_workload
     from .twin.simulator import Workload as SimWorkload
     if s.get("plan", "prefill") or s.get("plan", "decode") or s.get("plan", "both"):
         raise CliError("--what-if chooses the plan family itself: drop --prefill/--decode/--both")

@@ -5,12 +5,11 @@ always give the same plan and every rule is unit-testable. Each decision adds a 
 """
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from . import constants as C
-from .engine_flags import (DEFAULT_CPU_VERSION, DEFAULT_GPU_VERSION, flags_for, kv_transfer_config)
+from .engine_flags import DEFAULT_CPU_VERSION, DEFAULT_GPU_VERSION, flags_for
 from .inventory import GPU, Inventory
 from .models import ModelProfile
 from .decide import Thresholds
@@ -187,89 +186,6 @@ def _does_not_fit(model: ModelProfile, smallest: int, tp: int, kv: int, need: in
             f"(now {work.max_model_len}), or a smaller/quantised model")
 
 
-# --- argv builders -----------------------------------------------------------------------------------
-def _bin(venv: str, name: str) -> str:
-    return f"{venv.rstrip('/')}/bin/{name}"
-
-
-def _vllm_argv(role: str, port: int, tp: int, model: ModelProfile, served: str, work: Workload,
-               ov: Overrides, version: str, kv_port: int) -> tuple:
-    fl = flags_for(version)
-    entry = list(fl.entry)
-    argv = [_bin(ov.engine_venv, entry[0])] + entry[1:]
-    if fl.model_flag:
-        argv += [fl.model_flag, model.hf_id]
-    else:
-        argv += [model.hf_id]
-    argv += ["--host", C.LOOPBACK, "--port", str(port), "--served-model-name", served]
-    if fl.device == "cpu":
-        argv += ["--dtype", "bfloat16", "--enforce-eager", "--kv-cache-memory-bytes", str(ov.kv_cache_bytes_cpu),
-                 "--max-model-len", str(min(work.max_model_len, model.max_context))]
-    else:
-        argv += ["--tensor-parallel-size", str(tp), "--gpu-memory-utilization", f"{ov.gpu_memory_utilization:.2f}",
-                 "--max-model-len", str(min(work.max_model_len, model.max_context)),
-                 "--block-size", str(ov.block_size)]
-    argv += ["--max-num-seqs", str(ov.max_num_seqs), "--max-num-batched-tokens", str(ov.max_num_batched_tokens)]
-    if ov.kv_connector:
-        argv += ["--kv-transfer-config", kv_transfer_config(fl, role, kv_port, ov.heartbeat_s, ov.mq_timeout_s)]
-        if fl.hma_flag:
-            argv.append("--disable-hybrid-kv-cache-manager")
-    argv += list(fl.quiet_access_log)
-    argv += list(ov.extra_engine_args)
-    return tuple(argv)
-
-
-def _twin_hw(gpus: list[GPU], ov: Overrides) -> str:
-    if ov.twin_hardware:
-        return ov.twin_hardware
-    name = gpus[0].name.upper() if gpus else ""
-    for key, hw in (("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-80gb"), ("B200", "b200")):
-        if key in name:
-            return hw
-    return "h200"
-
-
-def _twin_argv(role: str, port: int, model: ModelProfile, served: str, ov: Overrides, hw: str,
-               gpu_index: int | None, kv_port: int, kv_http: int) -> tuple:
-    argv = [_bin(ov.venv, "pdctl"), "twin", "engine", "--role", role, "--host", C.LOOPBACK, "--port", str(port),
-            "--hardware", hw, "--model", model.name, "--served-model-name", served,
-            "--kv", f"tcp://127.0.0.1:{kv_port}", "--kv-http", f"http://127.0.0.1:{kv_http}"]
-    if gpu_index is not None:
-        argv += ["--gpu-index", str(gpu_index), "--state-file", f"{ov.run_dir}/twin/gpu-{gpu_index}.json"]
-    if ov.twin_time_scale != 1.0:
-        argv += ["--time-scale", f"{ov.twin_time_scale:g}"]
-    return tuple(argv)
-
-
-def _worker_env(role: str, gpus: list[GPU], ov: Overrides, version: str, proxy: ProxyPlan,
-                cpus: tuple, model: ModelProfile | None = None, telemetry: bool | None = None) -> dict:
-    env = {"PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "LMCACHE_TRACK_USAGE": "false", "PYTHONUNBUFFERED": "1"}
-    if model is not None and model.hf_id.startswith("/"):
-        env["HF_HUB_OFFLINE"] = "1"          # a local model directory: never reach for the hub
-        env["TRANSFORMERS_OFFLINE"] = "1"
-    if ov.engine != "twin":
-        env.update(flags_for(version).env)
-    if ov.engine == "vllm":
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in gpus)
-        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    if ov.engine == "vllm-cpu" and cpus:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_list(cpus)
-    if (role == "prefill" if telemetry is None else telemetry) and ov.kv_connector:
-        env["LMCACHE_REQUEST_TELEMETRY_TYPE"] = "fastapi"
-        env["LMCACHE_REQUEST_TELEMETRY_ENDPOINT"] = proxy.telemetry_url
-    return env
-
-
-def _cpu_list(cpus: tuple) -> str:
-    """Compact CPU list for VLLM_CPU_OMP_THREADS_BIND ("0", "0-3", "0,2")."""
-    cs = sorted(cpus)
-    if len(cs) > 1 and cs == list(range(cs[0], cs[-1] + 1)):
-        return f"{cs[0]}-{cs[-1]}"
-    return ",".join(str(c) for c in cs)
-
-
 def _kv_plan(inv: Inventory, n_workers: int, gpu_workers: int, ov: Overrides, reasons: list[str],
              cpu_engine: bool) -> KVServerPlan:
     kind = ov.kv_server or ("twin" if ov.engine == "twin" else "lmcache")
@@ -288,11 +204,11 @@ def _kv_plan(inv: Inventory, n_workers: int, gpu_workers: int, ov: Overrides, re
                             f"after the reserve for {n_workers} engines; add RAM or pass --l1-size-gb N")
     restart = max(5.0, 2.5 * ov.heartbeat_s)
     if kind == "twin":
-        argv = (_bin(ov.venv, "pdctl"), "twin", "kvserver", "--host", C.LOOPBACK, "--port", str(ov.kv_zmq_port),
+        argv = (worker_argv.bin_path(ov.venv, "pdctl"), "twin", "kvserver", "--host", C.LOOPBACK, "--port", str(ov.kv_zmq_port),
                 "--http-port", str(ov.kv_http_port), "--l1-size-gb", f"{l1:g}")
         env = {"PYTHONUNBUFFERED": "1"}
     else:
-        argv = [_bin(ov.engine_venv, "lmcache"), "server", "--host", C.LOOPBACK, "--port", str(ov.kv_zmq_port),
+        argv = [worker_argv.bin_path(ov.engine_venv, "lmcache"), "server", "--host", C.LOOPBACK, "--port", str(ov.kv_zmq_port),
                 "--http-host", C.LOOPBACK, "--http-port", str(ov.kv_http_port), "--l1-size-gb", f"{l1:g}",
                 "--eviction-policy", "LRU", "--chunk-size", str(C.LMCACHE_CHUNK_TOKENS),
                 "--max-workers", str(max(1, n_workers)), "--max-gpu-workers", str(max(1, gpu_workers))]
@@ -394,13 +310,13 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
                        "decode, with LMCache as its KV offload; disaggregation needs at least 2 workers")
     else:
         if ov.prefill or ov.decode or ov.both:
-            p, d, b = _asked_counts(n, tp, len(gpus), ov, reasons)
+            p, d, b = families.asked_counts(n, tp, len(gpus), ov, reasons)
         else:
-            p, d, b, predicted = _default_counts(n, tp, gpus, model, work, ov, reasons)
+            p, d, b, predicted = families.default_counts(n, tp, gpus, model, work, ov, reasons)
         roles = ["prefill"] * p + ["decode"] * d + ["both"] * b
         mode = "soft" if b else "disaggregated"
     _check_ports(ov, roles.count("prefill"), roles.count("decode"), roles.count("both"))
-    hw = _twin_hw(gpus, ov)
+    hw = worker_argv.twin_hw(gpus, ov)
     workers = []
     counters = {"prefill": 0, "decode": 0, "both": 0}
     for role, grp in zip(roles, groups):
@@ -411,10 +327,10 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
         ggpus = [inv.gpu(x) for x in grp]
         cpus = tuple(ggpus[0].cpu_affinity) if isinstance(ggpus[0].cpu_affinity, list) else ()
         if ov.engine == "twin":
-            argv = _twin_argv(role, port, model, served, ov, hw, grp[0], ov.kv_zmq_port, ov.kv_http_port)
+            argv = worker_argv.twin_argv(role, port, model, served, ov, hw, grp[0], ov.kv_zmq_port, ov.kv_http_port)
         else:
-            argv = _vllm_argv(role, port, tp, model, served, work, ov, version, ov.kv_zmq_port)
-        env = _worker_env(role, ggpus, ov, version, proxy, cpus, model, telemetry=_telemetry(role, n))
+            argv = worker_argv.vllm_argv(role, port, tp, model, served, work, ov, version, ov.kv_zmq_port)
+        env = worker_argv.worker_env(role, ggpus, ov, version, proxy, cpus, model, telemetry=_telemetry(role, n))
         workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=tuple(grp), port=port, argv=argv,
                                   env=env, tp=tp, gpu_uuids=tuple(g.uuid for g in ggpus), cpus=cpus))
     _note_kv_both(roles, ov, version, reasons)
@@ -445,114 +361,6 @@ def _telemetry(role: str, n_workers: int) -> bool:
     return role == "prefill" or (role == "both" and n_workers > 1)
 
 
-def _asked_counts(n: int, tp: int, n_gpus: int, ov: Overrides, reasons: list) -> tuple:
-    p, d, b = ov.prefill, ov.decode, ov.both
-    if not b:
-        p = p or max(1, n - d)
-        d = d or max(1, n - p)
-    if p + d + b < 2 or (d + b) < 1:
-        raise PlanError("a plan of 2+ workers needs at least 1 worker that decodes (--decode or --both) and 2 in "
-                        "all")
-    if p + d + b > n:
-        raise PlanError(f"--prefill {p} --decode {d} --both {b} needs {p + d + b} TP-{tp} workers = "
-                        f"{(p + d + b) * tp} GPUs; this box has {n} workers ({n_gpus} GPUs). Try --both {n}, or "
-                        f"--prefill 1 --decode {n - 1}")
-    if p + d + b < n:
-        reasons.append(f"{n - p - d - b} worker slot(s) left idle: --prefill {p} --decode {d} --both {b} asked")
-    reasons.append(f"{_family(p, d, b)} as asked")
-    return p, d, b
-
-
-def _family(p: int, d: int, b: int) -> str:
-    if not p and not d:
-        return f"{b} both-workers (all kv_both)"
-    return " + ".join(x for x in (f"{p} prefill" if p else "", f"{d} decode" if d else "",
-                                  f"{b} both" if b else "") if x)
-
-
-def _default_counts(n: int, tp: int, gpus: list, model: ModelProfile, work: Workload, ov: Overrides,
-                    reasons: list) -> tuple:
-    """The family with the highest simulated goodput (the twin, the proxy's own decision code), or the
-    fixed rule when the twin cannot model this box."""
-    ranked = rank_families(gpus[0].name, n * tp, model, work, ov, tp) if ov.choose_family else None
-    if isinstance(ranked, str) or ranked is None:
-        p = default_prefill_count(n)
-        if isinstance(ranked, str):
-            reasons.append(f"the twin cannot rank plan families here ({ranked}): fixed rule instead")
-        reasons.append(f"{p} prefill + {n - p} decode from {n} workers: the seed measured decode as the bottleneck "
-                       "for prefix-heavy chat (1:2 to 1:3 prefill:decode), so 1 prefiller per 4 workers")
-        return p, n - p, 0, {}
-    best, rows, predicted = ranked
-    nxt = [r for r in rows if r is not best][:2]
-    reasons.append(
-        f"{best.family} ({_family(best.prefill, best.decode, best.both)}) chosen by the twin: it holds "
-        f"{best.max_rate_under_slo:.3g} req/s with TTFT p95 <= {work.ttft_slo_s:g} s and TPOT p95 <= "
-        f"{work.tpot_slo_ms:g} ms under the {ov.policy} policy"
-        + (", vs " + ", ".join(f"{r.family} {r.max_rate_under_slo:.3g}" for r in nxt) if nxt else "")
-        + f" ({predicted['workload']}; `pdctl plan --what-if` prints every family)")
-    return best.prefill, best.decode, best.both, predicted
-
-
-PLAN_RATES = (1, 2, 4, 8, 16, 32, 64, 128)   # asked req/s ladder of the family ranking (then bisected)
-PLAN_PROMPTS = 300                            # simulated prompts per rate, at least PLAN_WINDOW_S of arrivals
-PLAN_WINDOW_S = 24.0                          # > 2x the E2E of the seed's 252-token answers
-
-
-def plan_workload(work: Workload):
-    """The twin's workload for ranking: the typical prompt, plus the cold share as its own class."""
-    from .twin.simulator import Mix, Workload as SimWorkload
-    warm = SimWorkload(work.input_len, min(work.prefix_len, work.input_len), work.output_len)
-    if not work.cold_share:
-        return warm
-    cold = SimWorkload(work.cold_input_len, 0, work.cold_output_len)
-    if work.cold_share >= 1:
-        return cold
-    return Mix(((1 - work.cold_share, warm), (work.cold_share, cold)))
-
-
-def rank_families(gpu_name: str, n_gpus: int, model: ModelProfile, work: Workload, ov: Overrides, tp: int):
-    return _rank_families(gpu_name, n_gpus, model, work, ov.policy, ov.thresholds, tp)
-
-
-@functools.lru_cache(maxsize=64)
-def _rank_families(gpu_name: str, n_gpus: int, model: ModelProfile, work: Workload, policy: str,
-                   thresholds: Thresholds, tp: int):
-    """(best SplitResult, all rows best first, predicted dict) from the twin, or a string saying why not.
-
-    Pure computation (the twin's discrete-event simulator, seeded): the same inputs give the same ranking."""
-    from .bench import BenchError
-    from .bench.whatif import what_if_engines
-    from .twin.hardware import HardwareError, resolve as resolve_hw
-    try:
-        resolve_hw(gpu_name)
-    except HardwareError as exc:
-        return str(exc)
-    wl = plan_workload(work)
-    try:
-        w = what_if_engines(gpu_name, n_gpus, model.name, wl, PLAN_RATES, slo_ttft_p95_s=work.ttft_slo_s,
-                            policy=policy, tp=tp, num_prompts=PLAN_PROMPTS, seed=2003, kv_size_gb=80.0,
-                            objective="max-rate-under-slo", refine=3, family="all",
-                            slo_tpot_p95_ms=work.tpot_slo_ms, thresholds=thresholds,
-                            min_window_s=PLAN_WINDOW_S)
-    except (BenchError, ValueError, KeyError) as exc:
-        return str(exc)
-    best = w.recommended
-    if best is None:
-        return f"no family holds the SLOs at {PLAN_RATES[0]} req/s"
-    at = max((p for p in best.points if p.under_slo), key=lambda p: p.asked)
-    shape = (f"{work.prefix_len}+{work.input_len - work.prefix_len} in / {work.output_len} out"
-             + (f", {work.cold_share:.0%} cold {work.cold_input_len} in / {work.cold_output_len} out"
-                if work.cold_share else ""))
-    predicted = {"by": "twin", "family": best.family, "kind": best.kind, "policy": policy,
-                 "goodput_req_s": round(best.max_rate_under_slo, 2), "ceiling_req_s": round(best.ceiling, 2),
-                 "at_req_s": at.asked, "ttft_p50_s": round(at.ttft_p50_s, 3), "ttft_p95_s": round(at.ttft_p95_s, 3),
-                 "tpot_p95_ms": round(at.tpot_p95_ms, 1), "aggregated_share": round(at.aggregated, 3),
-                 "slo": {"ttft_p95_s": work.ttft_slo_s, "tpot_p95_ms": work.tpot_slo_ms}, "workload": shape,
-                 "hardware": w.hardware, "ranking": [{"family": r.family, "goodput_req_s": round(r.max_rate_under_slo, 2)}
-                                                     for r in w.rows]}
-    return best, w.rows, predicted
-
-
 def _cpu_plan(inv: Inventory, model: ModelProfile, work: Workload, ov: Overrides, version: str, served: str,
               proxy: ProxyPlan, reasons: list[str]) -> Plan:
     if ov.both:
@@ -568,7 +376,7 @@ def _cpu_plan(inv: Inventory, model: ModelProfile, work: Workload, ov: Overrides
         raise PlanError("CPU engines: a plan needs 2+ engines, at least one that decodes (--decode or --both)")
     per = ncpu // n
     _check_ports(ov, p, d, b)
-    reasons.append(f"CPU engines ({version}): {_family(p, d, b)}, {per} core(s) each "
+    reasons.append(f"CPU engines ({version}): {families.describe(p, d, b)}, {per} core(s) each "
                    "(VLLM_CPU_OMP_THREADS_BIND per worker, so engines do not share a core)")
     reasons.append(f"KV cache {ov.kv_cache_bytes_cpu // 1024**2} MiB per engine, set explicitly (vLLM would take "
                    "92 % of RAM otherwise)")
@@ -584,8 +392,8 @@ def _cpu_plan(inv: Inventory, model: ModelProfile, work: Workload, ov: Overrides
         counters[role] += 1
         port = base[role] + i
         cpus = tuple(range(idx * per, (idx + 1) * per))
-        argv = _vllm_argv(role, port, 1, model, served, work, ov, version, ov.kv_zmq_port)
-        env = _worker_env(role, [], ov, version, proxy, cpus, model, telemetry=_telemetry(role, n))
+        argv = worker_argv.vllm_argv(role, port, 1, model, served, work, ov, version, ov.kv_zmq_port)
+        env = worker_argv.worker_env(role, [], ov, version, proxy, cpus, model, telemetry=_telemetry(role, n))
         workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=(), port=port, argv=argv, env=env,
                                   tp=1, cpus=cpus))
     _note_kv_both(["prefill"] * p + ["decode"] * d + ["both"] * b, ov, version, reasons)
@@ -593,3 +401,6 @@ def _cpu_plan(inv: Inventory, model: ModelProfile, work: Workload, ov: Overrides
     return Plan(mode="soft" if b else "disaggregated", engine="vllm-cpu", engine_version=version, model=model.hf_id,
                 served_model_name=served, tp=1, workers=tuple(workers), kv_server=kv, proxy=proxy,
                 reasons=tuple(reasons), inventory_source=inv.source, hardware="cpu")
+
+
+from . import families, worker_argv  # noqa: E402  (after the dataclasses they import)

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.decide import Thresholds  # noqa: E402
-from appliance.planner import plan_workload  # noqa: E402
+from appliance.families import plan_workload  # noqa: E402
 
 import policy_study as ps  # noqa: E402
 

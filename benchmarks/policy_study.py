@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.inventory import detect  # noqa: E402
 from appliance.models import resolve as resolve_model  # noqa: E402
-from appliance.planner import Overrides, Workload as PlanWorkload, make_plan, plan_workload  # noqa: E402
+from appliance.families import plan_workload  # noqa: E402
+from appliance.planner import Overrides, Workload as PlanWorkload, make_plan  # noqa: E402
 from appliance.twin.simulator import simulate  # noqa: E402
 
 WINDOW_S = 40.0

@@ -26,6 +26,7 @@ from .routing import POLICIES, SKIP_NO_PREFILLER, PrefixIndex, Route, affinity_k
 from .scrape import Watcher
 from .server import LeanServer, Request, Response
 from .telemetry import StoreWaiter, new_request_id
+from .canary import canary_loop, canary_once
 from .tokens import CharsPerToken
 from .upstream import UpstreamError
 from .validate import CHAT, COMPLETIONS, parse
@@ -40,8 +41,6 @@ _SSE_TYPE = "text/event-stream; charset=utf-8"
 STORING_ROLES = ("prefill", "both")   # kv_producer / kv_both: what they compute lands in the KV server
 
 
-CANARY_PROMPT = "pdctl readiness canary: " + " ".join(f"probe{i % 97} check" for i in range(200))
-CANARY_SHORT = "pdctl readiness canary"
 
 
 def _json(obj, status: int = 200) -> Response:
@@ -511,57 +510,9 @@ class ProxyServer:
         self._count(kind, outcome)
         m.e2e_path[route].observe(time.monotonic() - t0)
 
-    # ----- readiness canary -------------------------------------------------------------------------
-    # The first canary, and the first after a failed one, is longer than one LMCache chunk (256 tokens) so
-    # that it makes the prefiller store and the decoder retrieve: lmcache 0.5.6 starts a worker's heartbeat
-    # (which re-registers it after a KV server restart) only after that worker's first store or retrieve
-    # (docs/real-engines.md). A worker that restarted fails a canary first, so it gets a long one too. The
-    # others are short: they never reach LMCache and do not disturb its hit counters.
+    # ----- readiness canary (canary.py) ---------------------------------------------------------------
     async def canary_once(self) -> bool:
-        """One real request through both legs (P then D, max_tokens=1): the only honest readiness signal."""
-        t0 = time.monotonic()
-        self.canary["at"] = t0
-        models = self.known_models()
-        if not models:
-            await asyncio.gather(*(self.watcher.models(b) for b in self.backends), return_exceptions=True)
-            models = self.known_models()
-        if not models:
-            self.canary.update(ok=False, error="no backend answered GET /v1/models")
-            return False
-        body = {"model": sorted(models)[0], "prompt": CANARY_PROMPT if self._canary_long else CANARY_SHORT,
-                "max_tokens": 1,
-                "temperature": 0, "stream": False}
-        raw = json.dumps(body).encode()
-        rid = new_request_id()
-        kv = None
-        if self.policy.prefill:
-            pr = await self.legs.prefill("/v1/completions", body, rid, chars=len(body["prompt"]))
-            if isinstance(pr, (ProxyError, Passthrough)):
-                why = pr.message if isinstance(pr, ProxyError) else f"prefill HTTP {pr.status}: {pr.body[:120]!r}"
-                self.canary.update(ok=False, error="P leg: " + why)
-                return False
-            kv = pr.kv_params
-        d = await self.legs.decode("/v1/completions", decode_body(raw, body, kv), rid, None, False,
-                                   chars=len(body["prompt"]))
-        if isinstance(d, ProxyError) or d.status != 200:
-            why = d.message if isinstance(d, ProxyError) else f"HTTP {d.status}: {d.body[:120]!r}"
-            self.canary.update(ok=False, error="D leg: " + why)
-            return False
-        now = time.monotonic()
-        self.canary.update(ok=True, last_ok=now, error="", ms=round((now - t0) * 1000, 1))
-        self._canary_long = False
-        return True
+        return await canary_once(self)
 
     async def _canary_loop(self) -> None:
-        await asyncio.sleep(0.2)
-        while True:
-            try:
-                ok = await self.canary_once()
-            except Exception as e:  # noqa: BLE001 - the loop must outlive any one canary's failure
-                ok = False
-                self.canary.update(ok=False, error=f"{type(e).__name__}: {e}")
-                log.exception("canary failed")
-            self.metrics.count("canary", "ok" if ok else "failed")
-            if not ok:
-                self._canary_long = True
-            await asyncio.sleep(self.cfg.canary_interval_s if ok else min(1.0, self.cfg.canary_interval_s))
+        await canary_loop(self)

@@ -1,0 +1,55 @@
+"""What the simulator is asked to run: one request class (``Workload``) or a mix of classes (``Mix``)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+class SimError(ValueError):
+    """Bad simulator input (what, and how to fix it)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int = 7869      # tokens per prompt (the seed's P50 profile: 6000 shared + 1869 unique)
+    prefix_len: int = 6000     # tokens shared by every prompt
+    output_len: int = 252
+
+    def check(self) -> None:
+        if self.input_len < 1 or self.output_len < 1:
+            raise SimError(f"input-len ({self.input_len}) and output-len ({self.output_len}) must be >= 1")
+        if not 0 <= self.prefix_len <= self.input_len:
+            raise SimError(f"prefix-len {self.prefix_len} must be between 0 and input-len {self.input_len}")
+
+
+@dataclass(frozen=True)
+class Mix:
+    """Several request classes in one stream: (share, Workload) each; every request draws its class
+    (seeded, independent of the arrival times). A class with ``prefix_len`` 0 is cold: nothing shared."""
+    classes: tuple
+
+    @classmethod
+    def of(cls, workload) -> "Mix":
+        if isinstance(workload, Mix):
+            return workload
+        if isinstance(workload, Workload):
+            return cls(((1.0, workload),))
+        return cls(tuple((float(w), wl) for w, wl in workload))
+
+    def check(self) -> None:
+        if not self.classes:
+            raise SimError("a workload mix needs at least one class")
+        for w, wl in self.classes:
+            if not w > 0:
+                raise SimError(f"every class share must be > 0, got {w}")
+            wl.check()
+
+    def pick(self, rng: random.Random) -> int:
+        if len(self.classes) == 1:
+            return 0
+        x = rng.random() * sum(w for w, _ in self.classes)
+        for i, (w, _) in enumerate(self.classes):
+            x -= w
+            if x < 0:
+                return i
+        return len(self.classes) - 1
