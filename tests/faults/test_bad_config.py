@@ -43,6 +43,10 @@ CASES = [
     ("proxy host not an address", '[proxy]\nhost = "not a host!"\n', "proxy.host"),
     ("policy wrong", '[proxy]\npolicy = "; reboot"\n', "proxy.policy"),
     ("engine wrong", '[install]\nengine = "sh"\n', "install.engine"),
+    ("cold share above 1", '[workload]\ncold_share = 1.5\n', "workload.cold_share"),
+    ("negative split threshold", '[proxy]\naggregate_max_uncached = -1\n', "proxy.aggregate_max_uncached"),
+    ("tpot slo zero", '[workload]\ntpot_slo_ms = 0\n', "workload.tpot_slo_ms"),
+    ("negative both count", '[plan]\nboth = -2\n', "plan.both"),
     ("duplicate key", "[ports]\nproxy = 9000\nproxy = 9001\n", "not valid TOML"),
 ]
 
