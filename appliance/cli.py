@@ -266,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as exc:
             if exc.name != mod and not mod.startswith(str(exc.name)):
                 raise
+    from . import model_cli   # pdctl model fetch|path
+    model_cli.register(sub)
     return ap
 
 

@@ -129,6 +129,14 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "tui": {
         "refresh_s": Key(float, 1.0, "collector and TUI refresh interval", "posf"),
     },
+    "model": {
+        "hf_token_file": Key(str, "", "file holding the Hugging Face token for gated or private models ('' = "
+                                      "none); root-owned, mode 0600 (never logged, never given to the workers)",
+                             "path?"),
+        "cache_dir": Key(str, str(C.MODEL_CACHE_DIR), "where `pdctl model fetch` keeps hub downloads (the "
+                                                      "workers start from the verified snapshot, offline)", "path"),
+        "revision": Key(str, "main", "hub branch, tag or commit to fetch", "revision"),
+    },
 }
 
 FLAG_KEYS = {  # CLI flag dest -> (section, key)
@@ -136,6 +144,7 @@ FLAG_KEYS = {  # CLI flag dest -> (section, key)
     "engine_version": ("install", "engine_version"), "prefill": ("plan", "prefill"), "decode": ("plan", "decode"),
     "tp": ("plan", "tp"), "both": ("plan", "both"), "policy": ("proxy", "policy"), "l1_size_gb": ("kv_server", "l1_size_gb"),
     "served_model_name": ("plan", "served_model_name"), "max_model_len": ("workload", "max_model_len"),
+    "revision": ("model", "revision"), "cache_dir": ("model", "cache_dir"), "token_file": ("model", "hf_token_file"),
 }
 
 
@@ -197,6 +206,8 @@ def _check(path: Path | str, dotted: str, spec: Key, value: Any) -> Any:
         raise _err(path, dotted, f"must be between 0 and 1, got {value}")
     if c == "engine" and value not in ("vllm", "vllm-cpu", "twin"):
         raise _err(path, dotted, f"must be vllm, vllm-cpu or twin, got {value!r}")
+    if c == "revision" and not re.fullmatch(r"[A-Za-z0-9._/+-]+", value):
+        raise _err(path, dotted, f"{value!r} is not a branch, tag or commit (letters, digits and ._/+- only)")
     if c == "kvkind" and value not in ("", "lmcache", "twin"):
         raise _err(path, dotted, f"must be lmcache or twin, got {value!r}")
     if c in ("path", "path?") and not (c == "path?" and value == "") and not _SAFE_PATH.match(value):

@@ -25,6 +25,7 @@ SYSTEMD_DIR = Path("/etc/systemd/system")
 STATE_DIR = Path("/var/lib/pdctl")
 RUN_DIR = Path("/run/pdctl")
 VENV_DIR = Path("/opt/pdctl")
+MODEL_CACHE_DIR = Path("/var/cache/pdctl/hub")   # `pdctl model fetch`: huggingface_hub cache layout
 SERVICE_USER = "pdctl"
 
 # --- unit names ------------------------------------------------------------------------------------
