@@ -268,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
     from . import model_cli   # pdctl model fetch|path
     model_cli.register(sub)
+    from .doctor import cli as doctor_cli   # pdctl doctor [--json]
+    doctor_cli.register(sub)
     return ap
 
 
