@@ -12,16 +12,22 @@
 #   --gpus SPEC               INSTALL_PDCTL_GPUS            nvml | fake:4xH200 | twin:4xH200 | none | FILE.json | 0,1,2
 #   --model NAME|DIR          INSTALL_PDCTL_MODEL           registry name or local model directory
 #   --engine KIND             INSTALL_PDCTL_ENGINE          vllm (GPU, default) | vllm-cpu | twin
-#   --prefill N / --decode M  INSTALL_PDCTL_PREFILL/_DECODE worker counts (default: planned by the twin)
+#   --prefill N               INSTALL_PDCTL_PREFILL         dedicated prefill workers (default: planned by the twin)
+#   --decode M                INSTALL_PDCTL_DECODE          dedicated decode workers (default: planned)
 #   --both N                  INSTALL_PDCTL_BOTH            kv_both workers (soft roles; default: planned)
 #   --tp K                    INSTALL_PDCTL_TP              tensor-parallel size per worker (default: smallest that fits)
 #   --policy P                INSTALL_PDCTL_POLICY          adaptive (default) | pdctl | round-robin
 #   --max-model-len N         INSTALL_PDCTL_MAX_MODEL_LEN   vLLM --max-model-len
 #   --served-model-name S     INSTALL_PDCTL_SERVED_MODEL_NAME  the name clients put in "model"
+#   --l1-size-gb G            INSTALL_PDCTL_L1_SIZE_GB      LMCache L1 in GiB (default: host RAM minus a reserve)
+#   --config FILE             INSTALL_PDCTL_CONFIG          settings file (default /etc/pdctl/pdctl.toml)
+#   --ready-timeout S         INSTALL_PDCTL_READY_TIMEOUT   bound on the wait for readiness (default 900 s)
 #   --engine-version V        INSTALL_PDCTL_ENGINE_VERSION  engine version from the flag table
 #   --engine-venv DIR         INSTALL_PDCTL_ENGINE_VENV     use an existing venv holding vllm + lmcache
 #   --uninstall [--purge]     INSTALL_PDCTL_UNINSTALL=1     remove units, user, venv (--purge, INSTALL_PDCTL_PURGE=1:
 #                                                           also /etc/pdctl and state)
+#   --python PATH             INSTALL_PDCTL_PYTHON          interpreter for pdctl's venv (default: python3 on PATH,
+#                                                           or a system one when the pdctl user cannot run that)
 # Other overrides:
 #   INSTALL_PDCTL_PREFIX      where pdctl's venv goes (default /opt/pdctl)
 #   INSTALL_PDCTL_WHEELHOUSE  install Python packages only from this directory (offline hosts, CI)
@@ -39,6 +45,8 @@ main() {
   local prefill=${INSTALL_PDCTL_PREFILL:-} decode=${INSTALL_PDCTL_DECODE:-} both=${INSTALL_PDCTL_BOTH:-}
   local engver=${INSTALL_PDCTL_ENGINE_VERSION:-} engvenv=${INSTALL_PDCTL_ENGINE_VENV:-}
   local wheelhouse=${INSTALL_PDCTL_WHEELHOUSE:-} skip_engines=${INSTALL_PDCTL_SKIP_ENGINES:-0}
+  local py=${INSTALL_PDCTL_PYTHON:-} l1=${INSTALL_PDCTL_L1_SIZE_GB:-} config=${INSTALL_PDCTL_CONFIG:-}
+  local ready=${INSTALL_PDCTL_READY_TIMEOUT:-}
   while [ $# -gt 0 ]; do
     case "$1" in
       --simulate) simulate=1 ;;
@@ -58,41 +66,53 @@ main() {
       --served-model-name) served=${2:?--served-model-name needs a value}; shift ;;
       --engine-version) engver=${2:?--engine-version needs a value}; shift ;;
       --engine-venv) engvenv=${2:?--engine-venv needs a value}; shift ;;
+      --python) py=${2:?--python needs a value}; shift ;;
+      --l1-size-gb) l1=${2:?--l1-size-gb needs a value}; shift ;;
+      --config) config=${2:?--config needs a value}; shift ;;
+      --ready-timeout) ready=${2:?--ready-timeout needs a value}; shift ;;
       -h|--help) sed -n '2,/^$/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
       *) fatal 2 "unknown flag $1 (see --help)" ;;
     esac
     shift
   done
 
-  [ "$(id -u)" -eq 0 ] || fatal 2 "must run as root (it writes /etc/pdctl, systemd units and creates the pdctl user): sudo $0"
-
   if [ "$uninstall" = 1 ]; then
+    [ "$(id -u)" -eq 0 ] || fatal 2 "must run as root: sudo $0 --uninstall"
     uninstall "$prefix" "$purge"
     return 0
   fi
 
-  # --- preflight -------------------------------------------------------------------------------
-  local py; py=$(command -v python3 || true)
-  [ -n "$py" ] || fatal 2 "python3 not found: install Python >= 3.10 (apt-get install python3 python3-venv)"
-  "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
-    || fatal 2 "Python >= 3.10 needed, found $("$py" -V 2>&1)"
-  "$py" -c 'import venv, ensurepip' 2>/dev/null || fatal 2 "python3 venv support missing: apt-get install python3-venv"
+  # --- preflight, part 1 (no Python packages yet): every refusal at once, nothing written ---------
+  local errs=()
+  [ "$(id -u)" -eq 0 ] || errs+=("must run as root (it writes /etc/pdctl, systemd units and creates the pdctl user). Fix: sudo $0 $*")
+  py=$(choose_python "$py" "$here") || errs+=("$py")
   local sysstate; sysstate=$(systemctl is-system-running 2>/dev/null || true)
   case "$sysstate" in
-    running|degraded|starting) info "systemd is $sysstate" ;;
-    *) [ "$dry" = 1 ] || fatal 2 "systemd is not running (systemctl is-system-running: ${sysstate:-no answer}); pdctl needs systemd as init. Try 'pdctl demo' without systemd" ;;
+    running|degraded|starting) ;;
+    *) [ "$dry" = 1 ] || errs+=("systemd is not running (systemctl is-system-running: ${sysstate:-no answer}); pdctl needs systemd as init. Fix: try 'pdctl demo' without systemd") ;;
   esac
   if [ "$simulate" != 1 ] && [ -z "$gpus" ] && [ "${engine:-vllm}" = vllm ]; then
-    [ -r /proc/driver/nvidia/version ] || fatal 2 "no NVIDIA GPU driver found (/proc/driver/nvidia/version missing). To try pdctl without GPUs: sudo $0 --simulate"
+    [ -r /proc/driver/nvidia/version ] || errs+=("no NVIDIA GPU driver found (/proc/driver/nvidia/version missing). Fix: without GPUs use sudo $0 --simulate (twin GPUs and engines), or --engine vllm-cpu --model DIR (real engines on CPU)")
   fi
+  if [ ${#errs[@]} -gt 0 ]; then
+    local e; for e in "${errs[@]}"; do echo "[ERROR] $e" >&2; done
+    fatal 2 "preflight: ${#errs[@]} problem(s) above; nothing was written"
+  fi
+  info "preflight: root, $py ($("$py" -V 2>&1)), systemd ${sysstate:-not needed for --dry-run}"
 
-  # --- pdctl into its venv ------------------------------------------------------------------------
-  local pipopts=(--disable-pip-version-check -q)
-  [ -n "$wheelhouse" ] && pipopts+=(--no-index --find-links "$wheelhouse")
+  # --- pdctl into its venv (small); a venv the pdctl user cannot run is rebuilt ---------------------
+  local created=0
+  if [ -x "$prefix/bin/python" ] && ! "$prefix/bin/python" "$here/appliance/pathcheck.py" --interpreter >/dev/null 2>&1; then
+    warn "$prefix was built from an interpreter the pdctl user cannot run: rebuilding it from $py"
+    rm -rf "$prefix"
+  fi
   if [ ! -x "$prefix/bin/python" ]; then
     info "creating virtual environment $prefix"
     "$py" -m venv "$prefix"
+    created=1
   fi
+  local pipopts=(--disable-pip-version-check -q)
+  [ -n "$wheelhouse" ] && pipopts+=(--no-index --find-links "$wheelhouse")
   info "installing pdctl into $prefix"
   local piplog; piplog=$(mktemp)
   if ! "$prefix/bin/python" -m pip install "${pipopts[@]}" "$here" >"$piplog" 2>&1; then
@@ -102,22 +122,10 @@ main() {
   fi
   rm -f "$piplog"
   "$prefix/bin/python" -c 'import appliance' || fatal 1 "pdctl did not install into $prefix (see the pip output above)"
-  ln -sf "$prefix/bin/pdctl" /usr/local/bin/pdctl
 
-  # --- engines ----------------------------------------------------------------------------------
-  if [ "$simulate" = 1 ] || [ "$engine" = twin ]; then
-    info "simulation: no GPU packages installed (twin engines and KV server come with pdctl)"
-  elif [ "$skip_engines" = 1 ]; then
-    info "engines: using ${engvenv:-$prefix} as is (INSTALL_PDCTL_SKIP_ENGINES=1)"
-  else
-    local kind=gpu; [ "$engine" = vllm-cpu ] && kind=cpu
-    "$here/scripts/install-engines.sh" "$kind" "${engvenv:-$prefix}"
-  fi
-
-  # --- the rest is pdctl install: detect -> plan -> config -> units -> user -> start -> ready ---------
+  # --- the pdctl install arguments (preflight, then the real run) ---------------------------------
   local args=(install --venv "$prefix")
   [ "$simulate" = 1 ] && args+=(--simulate)
-  [ "$dry" = 1 ] && args+=(--dry-run)
   [ "$nostart" = 1 ] && args+=(--no-start)
   [ -n "$gpus" ] && args+=(--gpus "$gpus")
   [ -n "$model" ] && args+=(--model "$model")
@@ -131,6 +139,36 @@ main() {
   [ -n "$served" ] && args+=(--served-model-name "$served")
   [ -n "$engver" ] && args+=(--engine-version "$engver")
   [ -n "$engvenv" ] && args+=(--engine-venv "$engvenv")
+  [ -n "$l1" ] && args+=(--l1-size-gb "$l1")
+  [ -n "$config" ] && args+=(--config "$config")
+  [ -n "$ready" ] && args+=(--ready-timeout "$ready")
+  if [ "$dry" = 1 ]; then
+    info "pdctl ${args[*]} --dry-run"
+    "$prefix/bin/pdctl" "${args[@]}" --dry-run
+    return
+  fi
+
+  # --- preflight, part 2 (pdctl's own checks: GPUs, ports, RAM, disk, paths), before anything heavy ---
+  local pending=(); { [ "$simulate" = 1 ] || [ "$engine" = twin ] || [ "$skip_engines" = 1 ]; } || pending=(--engines-pending)
+  local rc=0
+  "$prefix/bin/pdctl" "${args[@]}" --preflight-only "${pending[@]}" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    if [ "$created" = 1 ]; then rm -rf "$prefix"; info "removed $prefix (created by this run)"; fi
+    fatal "$rc" "preflight refused (above); nothing was installed"
+  fi
+  ln -sf "$prefix/bin/pdctl" /usr/local/bin/pdctl
+
+  # --- engines ----------------------------------------------------------------------------------
+  if [ "$simulate" = 1 ] || [ "$engine" = twin ]; then
+    info "simulation: no GPU packages installed (twin engines and KV server come with pdctl)"
+  elif [ "$skip_engines" = 1 ]; then
+    info "engines: using ${engvenv:-$prefix} as is (INSTALL_PDCTL_SKIP_ENGINES=1)"
+  else
+    local kind=gpu; [ "$engine" = vllm-cpu ] && kind=cpu
+    PDCTL_PYTHON="$py" "$here/scripts/install-engines.sh" "$kind" "${engvenv:-$prefix}"
+  fi
+
+  # --- the rest is pdctl install: detect -> plan -> config -> units -> user -> start -> ready ---------
   info "pdctl ${args[*]}"
   "$prefix/bin/pdctl" "${args[@]}"
 }
@@ -138,6 +176,34 @@ main() {
 info() { echo "[INFO] $*"; }
 warn() { echo "[WARN] $*" >&2; }
 fatal() { local code=$1; shift; echo "[ERROR] $*" >&2; exit "$code"; }
+
+# The interpreter for pdctl's venv: the one asked for, or python3 on PATH; when the pdctl user cannot run
+# that one (pyenv under /root: every unit would fail 203/EXEC), a system python3 that it can run.
+# Prints the choice, or the refusal (exit 1) for the caller to collect.
+choose_python() {
+  local asked=$1 here=$2 cand
+  local cands=()
+  if [ -n "$asked" ]; then cands=("$asked"); else cands=("$(command -v python3 || true)" /usr/bin/python3 /usr/local/bin/python3); fi
+  local why=""
+  for cand in "${cands[@]}"; do
+    [ -n "$cand" ] && [ -x "$cand" ] || continue
+    if ! "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+      why="Python >= 3.10 needed, $cand is $("$cand" -V 2>&1). Fix: install python3 >= 3.10 and pass INSTALL_PDCTL_PYTHON"; continue
+    fi
+    if ! "$cand" -c 'import venv, ensurepip' 2>/dev/null; then
+      why="$cand has no venv support. Fix: apt-get install python3-venv"; continue
+    fi
+    local out; if out=$("$cand" "$here/appliance/pathcheck.py" --interpreter 2>&1); then
+      [ -z "$asked" ] && [ "$cand" != "${cands[0]}" ] && \
+        echo "[WARN] ${cands[0]:-python3} cannot be run by the pdctl service user; using $cand" >&2
+      echo "$cand"; return 0
+    fi
+    why=${out#\[ERROR\] }
+    [ -n "$asked" ] && break
+  done
+  echo "${why:-python3 not found. Fix: apt-get install python3 python3-venv (Python >= 3.10)}"
+  return 1
+}
 
 uninstall() {
   local prefix=$1 purge=$2

@@ -67,6 +67,9 @@ def settings_from_args(args: argparse.Namespace, simulate: bool = False):
         if not getattr(args, "gpus", None):
             flags["gpus"] = "twin:4xH200"
     s = resolve(args.config, flags=flags)
+    if s.get("install", "engine") == "vllm-cpu" and s.sources.get("install.gpus") == "default":
+        s.values["install"]["gpus"] = "none"     # CPU engines need no GPU: never ask NVML for one
+        s.sources["install.gpus"] = "engine vllm-cpu"
     if indices:
         s.values["plan"]["gpu_indices"] = list(indices)
         s.sources["plan.gpu_indices"] = "flag"
@@ -246,7 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-start", action="store_true")
     p.add_argument("--venv", help="pdctl's virtual environment (default /opt/pdctl)")
     p.add_argument("--engine-venv", dest="engine_venv", help="virtual environment with vllm + lmcache")
-    p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--ready-timeout", type=float, default=900.0,
+                   help="bound on the wait for readiness, seconds (default %(default)s)")
+    p.add_argument("--preflight-only", action="store_true", dest="preflight_only",
+                   help="run every preflight check, print all refusals, write nothing")
+    p.add_argument("--engines-pending", action="store_true", dest="engines_pending",
+                   help="the engines are not installed yet (install.sh): check room and paths for them")
     p.set_defaults(func=cmd_install)
 
     p = sub.add_parser("apply", help="re-plan from the settings file; restart only the units that changed")

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from . import constants as C
+from . import preflight as pf
 from .cli import EXIT_BAD, EXIT_OK, CliError, print_plan, settings_from_args
 from .config import ConfigError, resolve, to_toml
 from .inventory import InventoryError, detect
@@ -47,95 +48,59 @@ def _digest(text: str) -> str:
 
 
 # --- preflight ---------------------------------------------------------------------------------------
-def port_owner(port: int) -> str | None:
-    """Who listens on TCP ``port`` ("nginx (pid 812)"), or None when it is free."""
-    import psutil
+def preflight(plan: Plan, venv: Path, units_active: bool, engines_pending: bool = False, s=None) -> None:
+    """Every refusal at once (appliance/preflight.py), exit 2 before anything is written."""
+    need = model_to_fetch(s) if s is not None else None
+    problems = pf.run(plan, venv, units_active=units_active, engines_pending=engines_pending,
+                      model_fetch=need[1:] if need else None)
+    if need:
+        from .model_fetch import ModelFetchError, read_token
+        try:
+            read_token(s.get("model", "hf_token_file"))
+        except ModelFetchError as exc:
+            problems.append(pf.Problem(f"{s.path}: model.hf_token_file: {exc}", "see `pdctl config show`"))
+    if problems:
+        raise CliError(refusal_text(problems), EXIT_BAD)
+
+
+def model_to_fetch(s) -> tuple[str, Path, float] | None:
+    """(hub repo, cache dir, GiB it needs) when the real engines need a hub model not yet fetched."""
+    from .model_fetch import local_snapshot
+    from .models import ModelError, resolve as resolve_model
+    from .plan_settings import hub_model
+    repo = hub_model(s)
+    cache = Path(s.get("model", "cache_dir"))
+    if not repo or local_snapshot(repo, s.get("model", "revision"), cache):
+        return None
     try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.AccessDenied, OSError):
-        conns = []
-    for c in conns:
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
-            if c.pid:
-                try:
-                    return f"{psutil.Process(c.pid).name()} (pid {c.pid})"
-                except psutil.Error:
-                    return f"pid {c.pid}"
-            return "an unknown process"
-    return None
+        gib = resolve_model(s.get("install", "model")).weights_bytes * 1.05 / GiB + 0.5
+    except ModelError:
+        gib = 0.0          # not in the registry: the fetch's own check sizes it from the hub's listing
+    return repo, cache, gib
 
 
-def plan_ports(plan: Plan) -> dict[int, str]:
-    ports = {plan.proxy.port: "proxy", plan.proxy.internal_port: "proxy internal",
-             plan.kv_server.zmq_port: "KV server ZMQ", plan.kv_server.http_port: "KV server HTTP"}
-    for w in plan.workers:
-        ports[w.port] = w.instance
-    return ports
+def fetch_model(s) -> None:
+    """The model once, before any worker starts: progress on the terminal, verified, then offline."""
+    from .model_fetch import ModelFetchError, fetch, read_token
+    need = model_to_fetch(s)
+    if not need:
+        return
+    repo, cache, _ = need
+    info(f"fetching model {repo}@{s.get('model', 'revision')} into {cache} (resumes what is already there)")
+    try:
+        res = fetch(repo, revision=s.get("model", "revision"), cache_dir=cache,
+                    token=read_token(s.get("model", "hf_token_file")), progress=True, out=sys.stderr)
+    except ModelFetchError as exc:
+        raise CliError(f"model fetch: {exc}; nothing was installed", EXIT_BAD) from None
+    info(f"model ready at {res.path} ({res.files} files, {res.bytes / GiB:.2f} GiB, {res.seconds:.0f} s); the "
+         "workers load it offline")
 
 
-def not_reachable_by_others(path: Path, want: int) -> str | None:
-    """Why the service user (not root, not the owner) cannot reach ``path``: a parent without o+x, or the file
-    itself without ``want`` (stat.S_IXOTH to run, S_IROTH to read) for others; None when it can."""
-    import stat
-    real = Path(os.path.realpath(path))
-    if not real.exists():
-        return f"{path} does not exist"
-    for parent in list(real.parents)[::-1]:
-        if not parent.stat().st_mode & stat.S_IXOTH:
-            return f"{parent} is not searchable by other users (mode {oct(parent.stat().st_mode & 0o777)})"
-    if not real.stat().st_mode & want:
-        return f"{real} is mode {oct(real.stat().st_mode & 0o777)}"
-    return None
-
-
-def engine_access_problems(plan: Plan) -> list[str]:
-    """Files the engines run or read as the service user: the engine interpreter and the model directory."""
-    import stat
-    probs = []
-    for w in plan.workers[:1]:
-        exe = Path(w.argv[0])
-        why = not_reachable_by_others(exe, stat.S_IXOTH)
-        if why:
-            probs.append(f"the engine command {exe} cannot be run by the {C.SERVICE_USER} user: {why}")
-    if plan.model.startswith("/"):
-        model = Path(plan.model)
-        for f in [model, *sorted(p for p in model.iterdir() if p.is_file())] if model.is_dir() else [model]:
-            why = not_reachable_by_others(f, stat.S_IXOTH if f.is_dir() else stat.S_IROTH)
-            if why:
-                probs.append(f"the model {f} cannot be read by the {C.SERVICE_USER} user: {why} "
-                             f"(chmod -R a+rX {model})")
-                break
-    return probs
-
-
-def preflight(plan: Plan, root: Path, units_active: bool) -> None:
-    if os.geteuid() != 0:
-        raise CliError("must run as root (it writes /etc/pdctl and systemd units and creates the pdctl user): "
-                       "re-run with sudo", EXIT_BAD)
-    st = _run(["systemctl", "is-system-running"], check=False).stdout.strip()
-    if st not in ("running", "degraded", "starting"):
-        raise CliError(f"systemd is not running here (systemctl is-system-running: {st or 'no answer'}); pdctl needs "
-                       "systemd as init. Use `pdctl demo` to try it without systemd", EXIT_BAD)
-    if not units_active:
-        for port, what in sorted(plan_ports(plan).items()):
-            owner = port_owner(port)
-            if owner:
-                raise CliError(f"port {port} (planned for {what}) is taken by {owner}; stop it, or move pdctl's port in "
-                               f"{C.CONFIG_PATH} ([ports])", EXIT_BAD)
-    import psutil
-    avail = psutil.virtual_memory().available
-    if plan.kv_server.kind == "lmcache":
-        need = plan.kv_server.l1_size_gb * GiB + 2 * GiB
-        if avail < need:
-            raise CliError(f"too little free RAM for the planned LMCache L1: {plan.kv_server.l1_size_gb:g} GiB L1 + 2 GiB "
-                           f"needed, {avail / GiB:.1f} GiB available; lower it with --l1-size-gb N or "
-                           "[kv_server] l1_size_gb", EXIT_BAD)
-    if plan.engine != "twin":
-        probs = engine_access_problems(plan)
-        if probs:
-            raise CliError("; ".join(probs) + ". The units run as the unprivileged pdctl user (a venv whose "
-                           "python lives under /root is not reachable: let install.sh create the venv, or use "
-                           "one outside /root)", EXIT_BAD)
+def refusal_text(problems: list) -> str:
+    if len(problems) == 1:
+        return str(problems[0])
+    return f"preflight found {len(problems)} problems; nothing was written:\n" + "\n".join(
+        f"  {i}. {p}" for i, p in enumerate(problems, 1))
 
 
 # --- user, files, systemd ------------------------------------------------------------------------------
@@ -179,32 +144,89 @@ def systemctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return _run(["systemctl", *args], check=False, timeout=timeout)
 
 
+# systemd's own exit statuses for a start that failed before the program ran (systemd.exec(5) "Process
+# exit codes": 200 CHDIR .. 243 CREDENTIALS, e.g. 203 EXEC, 217 USER, 226 NAMESPACE): a restart cannot fix them
+SPAWN_FAILURES = range(200, 244)
+CRASH_LOOP_FAILURES = 2        # a unit that failed this often while we wait keeps failing: say so, stop waiting
+HEARTBEAT_S = 10.0             # never more than this long without a progress line
+
+
+def unit_state(u: str) -> dict:
+    out = systemctl("show", u, "-p", "ActiveState", "-p", "SubState", "-p", "Result", "-p", "StatusText",
+                    "-p", "NRestarts", "-p", "ExecMainCode", "-p", "ExecMainStatus").stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def failed_for_good(st: dict, restarts0: int) -> str | None:
+    """Why a unit will not come up by waiting longer, or None while it still might."""
+    status = int(st.get("ExecMainStatus") or 0)
+    failures = int(st.get("NRestarts") or 0) - restarts0 + (st.get("SubState") == "auto-restart")
+    if st.get("ActiveState") == "failed":
+        return f"it failed ({st.get('Result', '?')}) and systemd will not restart it"
+    if status in SPAWN_FAILURES and st.get("ExecMainCode") == "1" and failures >= 1:
+        return f"systemd could not start its program (exit status {status}: see systemd.exec(5)); restarts " \
+               "cannot fix that"
+    if failures >= CRASH_LOOP_FAILURES:
+        return f"it failed {failures} times since the install started it (status {status}); systemd keeps " \
+               "restarting it, but it will keep failing until the cause below is fixed"
+    return None
+
+
+def journal_tail(unit: str, lines: int = 15) -> str:
+    r = _run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "short-monotonic"], check=False,
+             timeout=30)
+    return r.stdout.rstrip() or "(the journal holds no lines for it)"
+
+
 def wait_ready(plan: Plan, timeout: float) -> bool:
-    """Progress lines until the proxy's /ready answers 200 (a real PD canary went through)."""
+    """Progress lines (each unit's state and STATUS=) until the proxy's /ready answers 200, a heartbeat line at
+    least every HEARTBEAT_S, and an early, explained exit when a unit has failed for good."""
     url = f"http://127.0.0.1:{plan.proxy.port}/ready"
     units = [C.KV_UNIT] + [w.unit for w in plan.workers] + [C.PROXY_UNIT]
-    t0 = time.monotonic()
+    restarts0 = {u: int(unit_state(u).get("NRestarts") or 0) for u in units}
+    info(f"waiting up to {timeout:.0f} s for {url} (a real request through every role)")
+    t0 = last_t = time.monotonic()
     last = ""
     while time.monotonic() - t0 < timeout:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    info(f"ready after {time.monotonic() - t0:.0f} s: {url} answered 200")
-                    return True
-        except OSError:
-            pass
-        states = []
+        states, all_active = [], True
         for u in units:
-            out = systemctl("show", u, "-p", "ActiveState", "-p", "StatusText", "--value").stdout.split("\n")
-            state = out[0] if out else "?"
-            text = out[1] if len(out) > 1 and out[1] else ""
+            st = unit_state(u)
+            why = failed_for_good(st, restarts0[u])
+            if why:
+                raise UnitFailed(u, why)
+            state, text = st.get("ActiveState", "?"), st.get("StatusText", "")
+            all_active = all_active and state == "active"
             states.append(f"{u.replace('.service', '')}={state}" + (f" ({text})" if text and state != "active" else ""))
+        if all_active:   # ready = every unit up and a real request through the roles (/ready's canary)
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        info(f"ready after {time.monotonic() - t0:.0f} s: {url} answered 200")
+                        return True
+            except OSError:
+                pass
         line = ", ".join(states)
-        if line != last:
-            info(f"{time.monotonic() - t0:4.0f} s: {line}")
-            last = line
+        now = time.monotonic()
+        if line != last or now - last_t >= HEARTBEAT_S:
+            info(f"{now - t0:4.0f} s: {line}")
+            last, last_t = line, now
         time.sleep(1.0)
     return False
+
+
+class UnitFailed(CliError):
+    """A unit that will not come up: names it, says why, and shows the journal lines that explain it."""
+
+    def __init__(self, unit: str, why: str):
+        hint = ""
+        tail = journal_tail(unit)
+        if "203/EXEC" in tail or "Permission denied" in tail:
+            hint = ("\n  203/EXEC or Permission denied: the pdctl user cannot run the program (an interpreter under "
+                    "/root or a 0700 directory); re-run install.sh with INSTALL_PDCTL_PYTHON=/usr/bin/python3")
+        super().__init__(f"{unit} will not come up: {why}.\n  Its last journal lines "
+                         f"(journalctl -u {unit}):\n" + "\n".join("    " + ln for ln in tail.splitlines()) + hint
+                         + f"\n  Fix the cause, then `sudo pdctl apply` (or `systemctl restart {unit}`); "
+                           "`pdctl status` shows every unit", 1)
 
 
 def _old_instances(old: dict) -> set:
@@ -269,7 +291,13 @@ def apply_files(root: Path, files: dict, plan: Plan, start: bool, restart: bool,
         if r.returncode != 0:
             raise CliError(f"systemctl start pd.target failed: {r.stderr.strip()}", 1)
     if not wait_ready(plan, ready_timeout):
-        warn(f"not ready after {ready_timeout:.0f} s; look at `pdctl status` and `journalctl -u 'pd-*'`")
+        warn(f"not ready after {ready_timeout:.0f} s (the bound of --ready-timeout)")
+        for u in [C.KV_UNIT] + [w.unit for w in plan.workers] + [C.PROXY_UNIT]:
+            st = unit_state(u)
+            if st.get("ActiveState") != "active":
+                warn(f"{u} is {st.get('ActiveState')}/{st.get('SubState')} ({st.get('StatusText') or 'no status'}); "
+                     f"its last journal lines:\n" + journal_tail(u, 8))
+        warn("look at `pdctl status` and `journalctl -u 'pd-*'`; the units keep trying in the background")
         return 1
     return EXIT_OK
 
@@ -294,14 +322,17 @@ def run_install(args: argparse.Namespace) -> int:
     s = settings_from_args(args, simulate=args.simulate)
     if s.get("install", "engine") == "twin" and not s.get("kv_server", "kind"):
         s.values["kv_server"]["kind"] = "twin"
+    live = root == Path("/")
     try:
         inv = detect(s.get("install", "gpus"))
-    except InventoryError as exc:
-        raise CliError(f"{exc}\n  No NVIDIA GPU found and --simulate not given: to try pdctl without GPUs run "
-                       "`sudo ./install.sh --simulate` (twin GPUs and engines) or `pdctl demo`.", EXIT_BAD) from None
-    if s.get("install", "engine") == "vllm" and not inv.gpus:
-        raise CliError("no NVIDIA GPU in the inventory; use --simulate, or --engine vllm-cpu --model DIR for CPU "
-                       "engines", EXIT_BAD)
+        if s.get("install", "engine") == "vllm" and not inv.gpus:
+            raise InventoryError("no NVIDIA GPU in the inventory")
+    except InventoryError as exc:   # no plan without GPUs: report it with the host's other refusals
+        gpu = pf.Problem(str(exc), "--engine vllm needs NVIDIA GPUs and their driver. Without GPUs: "
+                                   "`sudo ./install.sh --simulate` (twin GPUs and engines), `pdctl demo`, or "
+                                   "`--engine vllm-cpu --model DIR` (real engines on CPU)")
+        raise CliError(refusal_text((pf.host_problems() if live and not args.dry_run else []) + [gpu]),
+                       EXIT_BAD) from None
     plan = plan_from_settings(s, inv)
     files = render(plan, to_toml(s), venv=s.get("install", "venv"),
                    groups=existing_groups() if root == Path("/") else ("video", "render"))
@@ -315,9 +346,18 @@ def run_install(args: argparse.Namespace) -> int:
         write_tree(root, files)
         info(f"dry run: rendered {len(files)} files under {root} (system untouched)")
         return EXIT_OK
-    units_active = root == Path("/") and systemctl("is-active", C.TARGET_UNIT).stdout.strip() == "active"
-    if root == Path("/"):
-        preflight(plan, root, units_active)
+    units_active = live and systemctl("is-active", C.TARGET_UNIT).stdout.strip() == "active"
+    if live:
+        preflight(plan, Path(s.get("install", "venv")), units_active, engines_pending=args.engines_pending, s=s)
+        if args.preflight_only:
+            info("preflight passed: root, systemd, " + ("GPUs, " if inv.gpus else "") + "ports, RAM, disk and every "
+                 f"path the {C.SERVICE_USER} user must reach")
+            return EXIT_OK
+        if model_to_fetch(s):
+            fetch_model(s)
+            plan = plan_from_settings(s, inv)      # now loads the local snapshot, offline
+            files = render(plan, to_toml(s), venv=s.get("install", "venv"), groups=existing_groups())
+            preflight(plan, Path(s.get("install", "venv")), units_active, s=s)   # the snapshot is readable
         info(f"plan: {plan.mode}, {len(plan.by_role('prefill'))} prefill + {len(plan.by_role('decode'))} decode + "
              f"{len(plan.by_role('both'))} both on {plan.hardware}"
              + (f" (twin: {plan.predicted['family']} holds {plan.predicted['goodput_req_s']} req/s under the SLOs)"

@@ -33,10 +33,51 @@ def planner_inputs(s: Settings) -> tuple[Workload, Overrides]:
     return work, ov
 
 
+def hub_model(s: Settings) -> str | None:
+    """The hub repo the real engines would load (None: a local directory, or twin engines)."""
+    from .model_fetch import hub_id, is_local
+    model = s.get("install", "model")
+    if s.get("install", "engine") == "twin" or is_local(model):
+        return None
+    return hub_id(model)
+
+
+def with_local_snapshot(model, s: Settings):
+    """A hub model already fetched (``pdctl model fetch``, a step of ``pdctl install``) is loaded by the
+    engines from its verified local snapshot, offline (worker_argv sets HF_HUB_OFFLINE for a path)."""
+    from dataclasses import replace
+    from .model_fetch import ModelFetchError, local_snapshot
+    try:
+        repo = hub_model(s)
+    except ModelFetchError:
+        return model
+    snap = local_snapshot(repo, s.get("model", "revision"), s.get("model", "cache_dir")) if repo else None
+    return replace(model, hf_id=str(snap)) if snap else model
+
+
+def profile_from_settings(s: Settings):
+    """Registry name or local directory; or any hub id ``org/name`` once fetched (its config.json)."""
+    from dataclasses import replace
+    from .models import ModelError, from_config_dir
+    from .model_fetch import is_local, local_snapshot
+    name = s.get("install", "model")
+    try:
+        return with_local_snapshot(resolve_model(name), s)
+    except ModelError:
+        if is_local(name) or "/" not in name or s.get("install", "engine") == "twin":
+            raise
+    snap = local_snapshot(name, s.get("model", "revision"), s.get("model", "cache_dir"))
+    if snap is None:
+        raise ModelError(f"{name!r} is not in the registry and not fetched yet: `sudo pdctl model fetch {name}` "
+                         "downloads it (then its config.json gives the planner its numbers), or give a registry "
+                         "name (pdctl plan --list-models) or a local model directory")
+    return replace(from_config_dir(snap), name=name)
+
+
 def plan_from_settings(s: Settings, inventory: Inventory | None = None) -> Plan:
     """Detect (unless an inventory is given), resolve the model, and plan. Raises Plan/Config/Model/InventoryError."""
     inv = inventory if inventory is not None else detect(s.get("install", "gpus"))
-    model = resolve_model(s.get("install", "model"))
+    model = profile_from_settings(s)
     work, ov = planner_inputs(s)
     plan = make_plan(inv, model, work, ov)
     px = s.values["proxy"]

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -235,22 +236,56 @@ def test_renderer_refuses_multiline_values():
         U.render(bad, "x")
 
 
-def test_engine_access_check_names_what_the_service_user_cannot_reach():
-    import stat
-    import tempfile
-    from appliance.install import not_reachable_by_others
-    tmp_path = Path(tempfile.mkdtemp(dir="/tmp"))   # pytest's own tmp root is 0700
-    d = tmp_path / "private"
-    d.mkdir()
-    f = d / "model.safetensors"
-    f.write_text("x")
-    tmp_path.chmod(0o755)
-    d.chmod(0o700)
-    assert "not searchable by other users" in not_reachable_by_others(f, stat.S_IROTH)
-    d.chmod(0o755)
-    f.chmod(0o600)
-    assert "mode 0o600" in not_reachable_by_others(f, stat.S_IROTH)
-    f.chmod(0o644)
-    assert not_reachable_by_others(f, stat.S_IROTH) is None
-    assert "does not exist" in not_reachable_by_others(tmp_path / "nope", stat.S_IROTH)
-    shutil.rmtree(tmp_path)
+def test_access_check_names_what_the_service_user_cannot_reach():
+    from appliance.pathcheck import cannot_reach, tree_cannot_reach
+    base = Path(tempfile.mkdtemp(dir="/var/cache"))   # not under /tmp: that one is hidden from the units
+    try:
+        base.chmod(0o755)
+        d = base / "private"
+        d.mkdir()
+        f = d / "model.safetensors"
+        f.write_text("x")
+        d.chmod(0o700)
+        u = cannot_reach(f, "read")
+        assert "not searchable by other users" in u.why and f"chmod o+x {d}" in u.fix
+        d.chmod(0o755)
+        f.chmod(0o600)
+        assert "mode 0o600" in cannot_reach(f, "read").why
+        assert f"chmod -R a+rX {d}" in tree_cannot_reach(d).fix
+        f.chmod(0o644)
+        assert cannot_reach(f, "read") is None and tree_cannot_reach(d) is None
+        assert "does not exist" in cannot_reach(base / "nope").why
+        link = base / "model-link"
+        link.symlink_to("/tmp")
+        u = cannot_reach(link)          # a path that resolves under /tmp is as hidden as /tmp itself
+        assert "under /tmp" in u.why and "PrivateTmp=yes" in u.fix
+        assert "ProtectHome=yes" in cannot_reach("/root/.pyenv/versions/x/bin/python3", "run").fix
+    finally:
+        shutil.rmtree(base)
+
+
+def test_hidden_dirs_match_the_units_sandbox():
+    """pathcheck's list of hidden directories is what units/hardening.inc really sets."""
+    from appliance.pathcheck import HIDDEN_BY_UNITS
+    inc = (Path(__file__).resolve().parents[2] / "units" / "hardening.inc").read_text().splitlines()
+    for setting in set(HIDDEN_BY_UNITS.values()):
+        assert setting in inc, setting
+
+
+def test_install_sh_offers_every_pdctl_install_option():
+    """Each `pdctl install` option is an install.sh flag with an INSTALL_PDCTL_* override, both documented in
+    the --help header (the installer is the operator's door; nothing may be reachable only behind it)."""
+    from appliance.cli import build_parser
+    sub = next(a for a in build_parser()._actions if getattr(a, "choices", None) and "install" in a.choices)
+    opts = {o for a in sub.choices["install"]._actions for o in a.option_strings if o.startswith("--")}
+    internal = {"--help", "--root", "--venv", "--preflight-only", "--engines-pending"}  # install.sh sets these
+    script = (Path(__file__).resolve().parents[2] / "install.sh").read_text()
+    header = script.split("\n\n")[0]
+    for opt in sorted(opts - internal):
+        env = "INSTALL_PDCTL_" + opt[2:].upper().replace("-", "_")
+        assert f"  {opt}" in header and env in header, f"install.sh --help lacks {opt} / {env}"
+        assert f"{opt})" in script, f"install.sh does not parse {opt}"
+        assert f"${{{env}:-" in script, f"install.sh does not read {env}"
+    r = subprocess.run(["bash", "install.sh", "--help"], capture_output=True, text=True, timeout=30,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0 and "main()" not in r.stdout and "INSTALL_PDCTL_PURGE" in r.stdout

