@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from appliance import constants as C
+from tests.cache import CACHE
 from tests.harness.fixture import systemd_box  # noqa: F401  (module-scoped container)
 
 pytestmark = pytest.mark.systemd
@@ -28,7 +29,7 @@ PDCTL = f"{VENV}/bin/pdctl"
 
 def _router_wheelhouse() -> Path:
     """vllm-router and what it needs, as wheels built on the host (the container has no network)."""
-    wh = REPO / ".cache" / "wheelhouse-fleet"
+    wh = CACHE / "wheelhouse-fleet"
     stamp = wh / ".stamp"
     if not (stamp.exists() and stamp.read_text() == C.ROUTER_VERSION):
         wh.mkdir(parents=True, exist_ok=True)

@@ -393,12 +393,13 @@ def down(box: Box, timeout: float = 30, keep_state: bool = False) -> float:
 
 
 def default_binds(repo: Path) -> list[str]:
-    """The repo (read-write: writes come back) and the running venv when it lives outside the repo.
+    """The repo and the test cache (read-write: writes come back) and the running venv when outside the repo.
 
     The overlay already shows everything on the root filesystem; only other mounts need a bind.
     """
     import sys
-    binds = [str(repo)]
+    from tests.cache import CACHE   # outside the repo when the repo lies under /tmp (tests/cache.py)
+    binds = [str(repo)] + ([str(CACHE)] if repo not in CACHE.parents else [])
     for extra in (Path(sys.prefix), Path(sys.base_prefix)):
         if extra.is_dir() and repo not in extra.parents and extra != repo and str(extra) not in binds:
             if os.stat(extra).st_dev != os.stat("/").st_dev:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.cache import CACHE  # outside /tmp and /root: the units must see the venv and the model
 from tests.harness.fixture import systemd_box  # noqa: F401  (module-scoped container fixture)
 from tests.real.stack import TINY_MODEL_SCRIPT, engines_missing_reason, engines_venv
 
 REPO = Path(__file__).resolve().parents[2]
-CACHE = REPO / ".cache"
 SERVICE_VENV = CACHE / "engines-svc"
 MODEL_DIR = CACHE / "tiny-model"
 SYSTEM_PY = "/usr/bin/python3"
@@ -44,7 +44,10 @@ def service_venv(src: Path) -> Path:
         return SERVICE_VENV
     if SERVICE_VENV.exists():
         shutil.rmtree(SERVICE_VENV)
-    subprocess.run(["cp", "-al", str(src), str(SERVICE_VENV)], check=True, timeout=300)
+    SERVICE_VENV.parent.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["cp", "-al", str(src), str(SERVICE_VENV)], timeout=300).returncode != 0:
+        shutil.rmtree(SERVICE_VENV, ignore_errors=True)   # another filesystem: no hard links, copy
+        subprocess.run(["cp", "-a", str(src), str(SERVICE_VENV)], check=True, timeout=600)
     real = Path(os.path.realpath(SYSTEM_PY))
     for name in ("python", "python3", f"python{_python_minor(SYSTEM_PY)}"):
         link = SERVICE_VENV / "bin" / name
