@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from appliance import constants as C
 from appliance.decide import R_FEW_UNCACHED
 from tests.real.stack import expected_hit_tokens, long_prompt, metric_sum
+from tests.cache import CACHE
 from tests.install.test_install_systemd import WHEELHOUSE, build_wheelhouse
 
 pytestmark = [pytest.mark.systemd, pytest.mark.real_engine, pytest.mark.slow]
@@ -41,7 +42,7 @@ SEED = int(os.environ.get("PDCTL_REALSD_SEED", "0"))  # prompt seeds (a re-run a
 def prompt(n: int) -> str:
     """~870 tokens (3 whole LMCache chunks + a partial one), distinct per ``n``."""
     return long_prompt(SEED + n)
-SVG = REPO / ".cache" / "tui-real-cpu.svg"
+SVG = CACHE / "tui-real-cpu.svg"
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +141,8 @@ def backend_state(box, port: int) -> str:
 def test_install_vllm_cpu_until_ready(box, engines):
     venv, model, _ = engines
     t0 = time.monotonic()
-    r = box.run(["bash", str(REPO / "install.sh"), "--engine", "vllm-cpu", "--model", str(model), "--gpus", "none",
-                 "--engine-venv", str(venv)], timeout=600,
+    r = box.run(["bash", str(REPO / "install.sh"), "--engine", "vllm-cpu", "--model", str(model),
+                 "--engine-venv", str(venv)], timeout=600,   # no --gpus: CPU engines ask NVML for nothing
                 env={"INSTALL_PDCTL_WHEELHOUSE": str(WHEELHOUSE), "INSTALL_PDCTL_SKIP_ENGINES": "1"})
     TIMINGS["install_to_ready_s"] = round(time.monotonic() - t0, 1)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -321,3 +322,55 @@ def test_kv_server_absent_worker_waits_then_becomes_ready(box):
     d = delta(c0, counters(box))
     TIMINGS["kv_absent_then_back_delta"] = d
     assert d["d_ext_hits"] == expected_hit_tokens(res["prompt_tokens"]) and d["kv_hits"] >= d["d_ext_hits"], d
+
+
+def test_doctor_on_the_real_stack_under_systemd(box):
+    """`pdctl doctor` on the installed real CPU box: real versions, the live workers' settings, the real KV
+    server; no check fails."""
+    r = box.run(["/usr/local/bin/pdctl", "doctor", "--json"], timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    rows = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert rows["engine versions"]["status"] == "ok" and "vllm-cpu 0.32.0" in rows["engine versions"]["detail"], rows
+    assert rows["kv server"]["status"] == "ok" and rows["block/chunk size"]["status"] == "ok", rows
+    TIMINGS["doctor"] = {k: v["status"] for k, v in rows.items()}
+
+
+def test_hub_model_fetched_once_then_workers_start_offline_from_the_snapshot(box, engines):
+    """A gated hub model (the stand-in hub inside the container, the real huggingface_hub client): `pdctl model
+    fetch` with the token file from the settings (progress shown, token never printed or logged), then the
+    installer plans from the fetched config.json and the workers load the verified snapshot with the hub gone."""
+    _, model_dir, _ = engines
+    secret = "hf_pdctlTEST_" + "x7" * 8
+    box.write("/etc/pdctl/hf-token", secret + "\n", mode=0o600)
+    r = box.run(["systemd-run", "--unit=stand-in-hub", "--", sys.executable, str(REPO / "tests/realsd/hub_runner.py"),
+                 "pdctl-test/tiny-model", str(model_dir), "/etc/pdctl/hf-token", "/run/hub-url"], timeout=30)
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: box.run(["test", "-s", "/run/hub-url"]).returncode == 0, 30, 0.5, "the stand-in hub to listen")
+    hub = box.run(["cat", "/run/hub-url"], check=True).stdout.strip()
+    env = {"HF_ENDPOINT": hub, "PDCTL_MODEL_HF_TOKEN_FILE": "/etc/pdctl/hf-token"}
+    try:
+        r = box.run(["/usr/local/bin/pdctl", "model", "fetch", "pdctl-test/tiny-model"], timeout=300, env=env)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        snap = r.stdout.strip().splitlines()[-1]
+        assert snap.startswith(str(C.MODEL_CACHE_DIR)) and "100%" in r.stderr, r.stderr[-2000:]
+        assert secret not in r.stdout + r.stderr
+        no_token = box.run(["/usr/local/bin/pdctl", "model", "fetch", "pdctl-test/tiny-model", "--cache-dir",
+                            "/var/cache/pdctl-no-token"], timeout=120, env={"HF_ENDPOINT": hub})
+        assert no_token.returncode == 2 and "hf_token_file" in no_token.stderr, no_token.stderr[-1500:]
+    finally:
+        box.systemctl("stop", "stand-in-hub")          # from here on there is no hub at all
+    t0 = time.monotonic()
+    r = box.run(["bash", str(REPO / "install.sh"), "--engine", "vllm-cpu", "--model", "pdctl-test/tiny-model",
+                 "--engine-venv", str(engines[0])], timeout=600,
+                env={**env, "INSTALL_PDCTL_WHEELHOUSE": str(WHEELHOUSE), "INSTALL_PDCTL_SKIP_ENGINES": "1"})
+    TIMINGS["hub_model_reinstall_s"] = round(time.monotonic() - t0, 1)
+    assert r.returncode == 0 and "[INFO] ready after" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    plan = json.loads(box.read("/etc/pdctl/plan.json"))
+    assert plan["model"] == snap and plan["served_model_name"] == MODEL, (plan["model"], plan["served_model_name"])
+    for w in plan["workers"]:
+        assert snap in w["argv"] and w["env"].get("HF_HUB_OFFLINE") == "1", w
+    res = one(box, complete(PROXY, prompt(190)))
+    assert "error" not in res and res["completion_tokens"] == 8, res
+    logged = box.run(["journalctl", "--no-pager", "-o", "cat"], timeout=60).stdout
+    assert secret not in logged and secret not in box.read("/etc/pdctl/pdctl.toml")
+    assert "hf_token_file = \"/etc/pdctl/hf-token\"" in box.read("/etc/pdctl/pdctl.toml")
