@@ -100,14 +100,25 @@ def sample(p: psutil.Process) -> tuple:
 
 
 def growth(series: list, warmup_s: float, window_s: float) -> float:
-    """(mean of the last window - mean of the first window after warm-up) / the first."""
-    first = [v for t, v in series if warmup_s <= t < warmup_s + window_s]
+    """Growth that is still going on: the smaller of (last window vs the first window after warm-up) and
+    (last window vs the one before it). A leak raises both; a one-off step early in the run (a connection
+    pool opening its last keep-alive connections: +4 fds, then flat) raises only the first."""
     t_end = series[-1][0]
-    last = [v for t, v in series if t > t_end - window_s]
-    if not first or not last:
+
+    def mean(lo: float, hi: float) -> float | None:
+        vals = [v for t, v in series if lo < t <= hi] if lo >= warmup_s else []
+        return sum(vals) / len(vals) if vals else None
+
+    first = [v for t, v in series if warmup_s <= t < warmup_s + window_s]
+    last = mean(t_end - window_s, t_end)
+    if not first or last is None:
         return float("nan")
-    a, b = sum(first) / len(first), sum(last) / len(last)
-    return (b - a) / a if a else 0.0
+    a = sum(first) / len(first)
+    g = (last - a) / a if a else 0.0
+    prev = mean(t_end - 2 * window_s, t_end - window_s)
+    if prev is not None and t_end - 2 * window_s >= warmup_s + window_s / 2:
+        g = min(g, (last - prev) / prev if prev else 0.0)
+    return g
 
 
 def spark(values: list) -> str:

@@ -26,7 +26,9 @@ def test_growth_metric():
     flat = [(t, 100.0) for t in range(0, 100, 5)]
     assert soak.growth(flat, 10, 20) == 0.0
     leak = [(t, 100.0 + t) for t in range(0, 100, 5)]
-    assert soak.growth(leak, 10, 20) > 0.5
+    assert soak.growth(leak, 10, 20) > 0.05      # over the soak bound: a leak still fails it
+    step = [(t, 42.0 if t < 25 else 46.0) for t in range(0, 61, 5)]   # a pool filling early, then flat
+    assert soak.growth(step, 15, 15) == 0.0
 
 
 def test_soak_60s_flat_and_error_free():
