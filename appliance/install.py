@@ -333,7 +333,7 @@ def run_install(args: argparse.Namespace) -> int:
                                    "`--engine vllm-cpu --model DIR` (real engines on CPU)")
         raise CliError(refusal_text((pf.host_problems() if live and not args.dry_run else []) + [gpu]),
                        EXIT_BAD) from None
-    plan = plan_from_settings(s, inv)
+    plan = plan_from_settings(s, inv, probe_hub=live)   # a hub id: its config.json, before the download
     files = render(plan, to_toml(s), venv=s.get("install", "venv"),
                    groups=existing_groups() if root == Path("/") else ("video", "render"))
     if args.dry_run:

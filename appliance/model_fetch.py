@@ -147,6 +147,29 @@ def worker_env_for_snapshot() -> dict:
     return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+# --- probe: what the planner needs before the download ----------------------------------------------
+def fetch_config(repo_id: str, dest: str | Path, *, revision: str = "main", token: str | None = None,
+                 endpoint: str | None = None) -> int:
+    """``config.json`` of ``repo_id`` into the directory ``dest`` (kilobytes), and the repo's total bytes.
+
+    Why: a hub id outside the registry has no profile until its config.json is read, and the preflight
+    and the plan come before the (large) download. The real fetch then goes to the cache as usual.
+    """
+    cache = Path(dest)
+    with _scrubbed(token, repo_id, revision, cache, endpoint):
+        from huggingface_hub import HfApi, constants as hf_constants, hf_hub_download
+        hf_constants.HF_HUB_DISABLE_TELEMETRY = True
+        info = HfApi(endpoint=endpoint, token=token or False).model_info(repo_id, revision=revision,
+                                                                          files_metadata=True)
+        names = {s.rfilename for s in info.siblings or []}
+        if "config.json" not in names:
+            raise ModelFetchError(f"{repo_id}@{revision} has no config.json: not a Hugging Face model repo "
+                                  "vLLM can serve")
+        hf_hub_download(repo_id, "config.json", revision=info.sha, local_dir=cache, token=token or False,
+                        endpoint=endpoint)
+        return sum(int(s.size or (s.lfs.size if s.lfs else 0)) for s in info.siblings or [])
+
+
 # --- fetch ------------------------------------------------------------------------------------------
 def fetch(repo_id: str, *, revision: str = "main", cache_dir: str | Path = C.MODEL_CACHE_DIR,
           token: str | None = None, progress: bool = True, out=sys.stderr, endpoint: str | None = None) -> FetchResult:

@@ -55,8 +55,9 @@ def with_local_snapshot(model, s: Settings):
     return replace(model, hf_id=str(snap)) if snap else model
 
 
-def profile_from_settings(s: Settings):
-    """Registry name or local directory; or any hub id ``org/name`` once fetched (its config.json)."""
+def profile_from_settings(s: Settings, probe_hub: bool = False):
+    """Registry name or local directory; or any hub id ``org/name``: from its fetched snapshot, or (with
+    ``probe_hub``: the installer, before the download) from its config.json alone."""
     from dataclasses import replace
     from .models import ModelError, from_config_dir
     from .model_fetch import is_local, local_snapshot
@@ -67,17 +68,41 @@ def profile_from_settings(s: Settings):
         if is_local(name) or "/" not in name or s.get("install", "engine") == "twin":
             raise
     snap = local_snapshot(name, s.get("model", "revision"), s.get("model", "cache_dir"))
-    if snap is None:
+    if snap is not None:
+        return replace(from_config_dir(snap), name=name)
+    if not probe_hub:
         raise ModelError(f"{name!r} is not in the registry and not fetched yet: `sudo pdctl model fetch {name}` "
                          "downloads it (then its config.json gives the planner its numbers), or give a registry "
                          "name (pdctl plan --list-models) or a local model directory")
-    return replace(from_config_dir(snap), name=name)
+    return _probed_profile(name, s)
 
 
-def plan_from_settings(s: Settings, inventory: Inventory | None = None) -> Plan:
+def _probed_profile(name: str, s: Settings):
+    """The profile of a hub model not downloaded yet: its config.json in a scratch dir, sizes from the hub."""
+    import shutil
+    import tempfile
+    from dataclasses import replace
+    from pathlib import Path
+    from .models import ModelError, from_config_dir
+    from .model_fetch import ModelFetchError, fetch_config, read_token
+    tmp = Path(tempfile.mkdtemp(prefix="pdctl-config-"))
+    try:
+        total = fetch_config(name, tmp, revision=s.get("model", "revision"),
+                             token=read_token(s.get("model", "hf_token_file")))
+        prof = from_config_dir(tmp)
+    except ModelFetchError as exc:
+        raise ModelError(f"model {name!r}: {exc}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    # hf_id stays the repo id until the snapshot exists (then plan_from_settings uses its path)
+    return replace(prof, name=name, hf_id=name, weights_bytes=total or prof.weights_bytes,
+                   source=f"config.json of {name} on the hub (not fetched yet)")
+
+
+def plan_from_settings(s: Settings, inventory: Inventory | None = None, probe_hub: bool = False) -> Plan:
     """Detect (unless an inventory is given), resolve the model, and plan. Raises Plan/Config/Model/InventoryError."""
     inv = inventory if inventory is not None else detect(s.get("install", "gpus"))
-    model = profile_from_settings(s)
+    model = profile_from_settings(s, probe_hub)
     work, ov = planner_inputs(s)
     plan = make_plan(inv, model, work, ov)
     px = s.values["proxy"]

