@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_cli.register(sub)
     from .doctor import cli as doctor_cli   # pdctl doctor [--json]
     doctor_cli.register(sub)
+    from importlib.metadata import entry_points
+    for ep in entry_points(group="pdctl.verbs"):   # the UI's verbs (tui/cli.py): the core never imports tui
+        ep.load()(sub)
     return ap
 
 

@@ -11,7 +11,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 SYSTEM_PROMPTS = [
@@ -62,45 +61,6 @@ class Traffic(threading.Thread):
             threading.Thread(target=self.one, args=(i,), daemon=True).start()
 
 
-def demo_app(stack, refresh: float):
-    """The operator's TUI wired to a demo stack: twin GPU samples, no systemd, logs from the child logs."""
-    from appliance.actions import ActionResult
-    from appliance.collector import Collector
-    from appliance.collector.gpus import twin_sampler
-    from appliance.collector.units import NoUnits
-    from appliance.inventory import detect
-    from tui.app import PdctlApp
-    plan = stack.plan
-    sampler = twin_sampler(state_dir=stack.workdir / "run" / "twin", inventory=detect(plan.inventory_source))
-    collector = Collector(plan, gpu_sampler=sampler, interval=refresh,
-                          units=NoUnits("pdctl demo: child processes, not systemd units"),
-                          slo_ttft_s=2.0).start()
-
-    def action(verb: str, unit: str) -> ActionResult:
-        return ActionResult(False, (), f"{verb} {unit}: not available in pdctl demo (no systemd); "
-                                       "install with ./install.sh --simulate to manage units")
-
-    def logs(unit: str, cursor: str) -> tuple:
-        name = next((w.instance for w in plan.workers if w.unit == unit),
-                    "proxy" if "proxy" in unit else "kvserver")
-        lines = stack.tail(name, 200).splitlines()
-        seen = int(cursor or 0)
-        return lines[seen:] if len(lines) >= seen else lines, str(len(lines)), ""
-
-    app = PdctlApp(collector, refresh=refresh, instances=[w.instance for w in plan.workers], action=action,
-                   logs=logs)
-    return app, collector
-
-
-def run_demo_tui(stack, refresh: float) -> int:
-    app, collector = demo_app(stack, refresh)
-    try:
-        app.run()
-    finally:
-        collector.stop()
-    return 0
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="a twin stack with gentle traffic and the TUI (no root, no systemd)")
     p.add_argument("--gpus", default="fake:4xH200", help="fake inventory to simulate (default %(default)s)")
@@ -139,7 +99,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
             while not stop.wait(1.0):
                 pass
             return 0
-        return run_demo_tui(stack, args.refresh)
+        run_ui = getattr(args, "run_ui", None)     # set by the tui package's verbs (the core stays UI-free)
+        if run_ui is None:
+            print("pdctl demo: the dashboard (tui package) is not installed; use --no-tui", file=sys.stderr)
+            return 2
+        return run_ui(stack, args.refresh)
     except KeyboardInterrupt:
         return 0
     finally:

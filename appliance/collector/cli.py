@@ -1,4 +1,4 @@
-"""``pdctl status``, ``pdctl tui`` and ``pdctl logs``: the operator's views of one installed box."""
+"""``pdctl status`` and ``pdctl logs``: the operator's views of one installed box (``pdctl tui`` lives in tui/)."""
 from __future__ import annotations
 
 import argparse
@@ -79,67 +79,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK if snap.overall == "ready" else EXIT_FAIL
 
 
-def cmd_tui(args: argparse.Namespace) -> int:
-    from appliance.fleet.plan import FleetError
-    from tui.app import PdctlApp
-    refresh = args.refresh or _settings_value(args.config, "tui", "refresh_s") or 1.0
-    if refresh <= 0:
-        print(f"pdctl tui: --refresh must be > 0 (got {refresh})", file=sys.stderr)
-        return EXIT_BAD
-    try:
-        front = _front_node(args.config)
-    except FleetError as exc:
-        print(f"pdctl tui: {exc}", file=sys.stderr)
-        return EXIT_BAD
-    fleet = None
-    if front is not None:         # HTTP on the watch's own thread, never the UI's
-        from appliance.fleet.watch import FleetWatch
-        fleet = FleetWatch(front[0], api_key=front[1]).start()
-    has_plan = _has_plan(args.config)
-    collector = None
-    try:
-        if fleet is not None and not has_plan:     # a pure front node: the fleet is the dashboard
-            app = PdctlApp(None, refresh=refresh, fleet=fleet)
-        else:
-            from appliance.collector import Collector
-            plan = _plan(args.config)
-            slo = _settings_value(args.config, "workload", "ttft_slo_s")
-            collector = Collector(plan, interval=refresh, slo_ttft_s=slo).start()
-            app = PdctlApp(collector, refresh=refresh, instances=[w.instance for w in plan.workers], fleet=fleet)
-        if args.screenshot:
-            return screenshot(app, args.screenshot, args.size, args.after)
-        app.run()
-    finally:
-        if collector is not None:
-            collector.stop()
-        if fleet is not None:
-            fleet.stop()
-    return EXIT_OK
-
-
-def _size(value: str) -> tuple:
-    try:
-        w, h = (int(x) for x in value.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected COLUMNSxROWS, e.g. 160x48") from None
-    if not (20 <= w <= 500 and 10 <= h <= 300):
-        raise argparse.ArgumentTypeError(f"{value!r}: size out of range (20..500 x 10..300)")
-    return w, h
-
-
-def screenshot(app: Any, path: Path, size: tuple, after: float) -> int:
-    """Run the app headless for ``after`` seconds of live data, then save an SVG of the screen."""
-    import asyncio
-
-    async def shoot() -> None:
-        async with app.run_test(size=size) as pilot:
-            await pilot.pause(after)
-            app.save_screenshot(filename=path.name, path=str(path.parent.resolve()))
-    asyncio.run(shoot())
-    print(f"wrote {path}")
-    return EXIT_OK
-
-
 def cmd_logs(args: argparse.Namespace) -> int:
     from appliance import journal
     instances: list = []
@@ -178,15 +117,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=float, default=1.0, help="seconds between the two samples rates come from")
     p.add_argument("--timeout", type=float, default=0.5, help="per-endpoint HTTP time-out (s)")
     p.set_defaults(func=cmd_status)
-
-    p = sub.add_parser("tui", help="live dashboard (Textual); works at 80x24 over SSH")
-    p.add_argument("--refresh", type=float, default=None, help="seconds between refreshes (default: config, 1)")
-    p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml or plan.json")
-    p.add_argument("--screenshot", type=Path, metavar="FILE.svg",
-                   help="headless: run for --after seconds on live data, save the screen as SVG, exit")
-    p.add_argument("--size", type=_size, default=(160, 48), help="screenshot size COLUMNSxROWS (default 160x48)")
-    p.add_argument("--after", type=float, default=5.0, help="seconds of live data before the screenshot")
-    p.set_defaults(func=cmd_tui)
 
     p = sub.add_parser("logs", help="journal of a role or unit: prefill-0, decode, proxy, kv, or a unit name")
     p.add_argument("target", nargs="*", help="instance, role, proxy, kv, all, or a unit name (default all)")
