@@ -22,7 +22,7 @@ from pathlib import Path
 from . import constants as C
 from . import preflight as pf
 from .cli import EXIT_BAD, EXIT_OK, CliError, print_plan, settings_from_args
-from .config import ConfigError, resolve, to_toml
+from .config import resolve, to_toml
 from .inventory import InventoryError, detect
 from .plan import Plan
 from .plan_settings import plan_from_settings

@@ -68,7 +68,7 @@ def cannot_reach(path: str | Path, want: str = "read", move_to: str = "/srv/pdct
             why = f"it is under {h[0]}" + (f" (it resolves to {real})" if p != literal else "")
             return Unreachable(literal, why, _move_fix(literal, h[1], move_to))
     if not os.path.exists(real):
-        return Unreachable(literal, "it does not exist", f"create it, or point pdctl at the right path")
+        return Unreachable(literal, "it does not exist", "create it, or point pdctl at the right path")
     for p in dict.fromkeys((literal, real)):
         for parent in reversed(Path(p).parents):
             mode = parent.stat().st_mode
