@@ -119,12 +119,49 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                      "make it root:pdctl 0640", "path?"),
         "public_status": Key(bool, False, "serve /pdctl/status on the public port for a fleet front node "
                                           "(read-only; refused without api_key_file)"),
+        "on_prefill_failure": Key(str, "decode", "when every prefiller fails or none is up: decode (the request is "
+                                                 "served whole on a decode-capable worker, counted) or fail "
+                                                 "(503, counted)", "prefill_failure"),
+        "max_migrations": Key(int, 2, "a stream whose worker fails after the first byte continues on another "
+                                      "worker up to this many times (0 = end it with an SSE error event)",
+                              "nonneg"),
+        "migration_deadline_s": Key(float, 30.0, "a continued stream must get its first byte from the new worker "
+                                                 "within this, else it ends with an SSE error event", "posf"),
+        "stall_factor": Key(float, 20.0, "a worker that sends nothing on any of its streams for this many times "
+                                         "its recent inter-token latency (and stall_floor_s) is hung: its "
+                                         "streams move and its breaker opens", "posf"),
+        "stall_floor_s": Key(float, 5.0, "the shortest silence that counts as a hung worker", "posf"),
+        "drain_timeout_s": Key(float, 30.0, "on stop or restart the proxy stops accepting, then lets in-flight "
+                                            "answers finish for up to this long (TimeoutStopSec is longer)", "posf"),
+        "watchdog_s": Key(float, 10.0, "systemd WatchdogSec of pd-proxy: restarted when its own /health does "
+                                       "not answer within this (0 = no watchdog)", "nonnegf"),
+    },
+    "listener": {
+        "header_timeout_s": Key(float, 10.0, "public port: a client must send its whole request head within this "
+                                             "(slow-header clients are closed)", "posf"),
+        "body_timeout_s": Key(float, 60.0, "public port: longest pause between two reads of a request body "
+                                           "(nginx client_body_timeout)", "posf"),
+        "keepalive_timeout_s": Key(float, 75.0, "public port: an idle keep-alive connection is closed after this "
+                                                "(nginx keepalive_timeout)", "posf"),
+        "send_timeout_s": Key(float, 60.0, "public port: a client that takes nothing of its answer for this long "
+                                           "is dropped and its legs cancelled (nginx send_timeout)", "posf"),
+        "max_connections": Key(int, 4096, "public port: open connections at once; a new one beyond this gets a "
+                                          "503 and is closed", "pos"),
+        "max_header_bytes": Key(int, 65536, "public port: request line and headers larger than this get 431",
+                                "pos"),
+        "max_body_bytes": Key(int, 32 * 1024 * 1024, "public port: request bodies larger than this get 413",
+                              "pos"),
     },
     "kv_server": {
         "kind": Key(str, "", "lmcache (real server) or twin ('' = lmcache for vllm engines, twin for twin)",
                     "kvkind"),
         "l1_size_gb": Key(float, 0.0, "LMCache L1 in GiB (0 = host RAM minus a reserve)", "nonnegf"),
         "heartbeat_s": Key(float, 2.0, "workers' lmcache.mp.heartbeat_interval; RestartSec is 2.5x this", "posf"),
+        "watchdog_s": Key(float, 30.0, "systemd WatchdogSec of pd-kvcache: restarted when its /healthcheck does "
+                                       "not answer within this (a wedged LMCache server, LMCache issue 4676; "
+                                       "0 = no watchdog)", "nonnegf"),
+        "worker_reap_timeout_s": Key(float, 120.0, "lmcache server --worker-reap-timeout-seconds: a worker silent "
+                                                   "this long is unregistered (0 = never; else >= 30)", "reap"),
     },
     "tui": {
         "refresh_s": Key(float, 1.0, "collector and TUI refresh interval", "posf"),
@@ -156,6 +193,11 @@ class Settings:
 
     def get(self, section: str, key: str) -> Any:
         return self.values[section][key]
+
+
+def default(section: str, key: str) -> Any:
+    """The schema's default for one key: the only place a default is written down."""
+    return SCHEMA[section][key].default
 
 
 def _err(path: Path | str, key: str, msg: str) -> ConfigError:
@@ -208,6 +250,10 @@ def _check(path: Path | str, dotted: str, spec: Key, value: Any) -> Any:
         raise _err(path, dotted, f"must be vllm, vllm-cpu or twin, got {value!r}")
     if c == "revision" and not re.fullmatch(r"[A-Za-z0-9._/+-]+", value):
         raise _err(path, dotted, f"{value!r} is not a branch, tag or commit (letters, digits and ._/+- only)")
+    if c == "prefill_failure" and value not in ("decode", "fail"):
+        raise _err(path, dotted, f"must be decode or fail, got {value!r}")
+    if c == "reap" and not (value == 0 or value >= 30):
+        raise _err(path, dotted, f"must be 0 (never reap) or >= 30 (LMCache refuses less), got {value}")
     if c == "kvkind" and value not in ("", "lmcache", "twin"):
         raise _err(path, dotted, f"must be lmcache or twin, got {value!r}")
     if c in ("path", "path?") and not (c == "path?" and value == "") and not _SAFE_PATH.match(value):

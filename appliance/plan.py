@@ -7,6 +7,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .config import default as _d
+
+# Proxy settings that travel from pdctl.toml through plan.json into the running proxy unchanged, under the
+# same names in ProxyPlan and proxy.config.ProxyConfig (section in pdctl.toml -> keys).
+PROXY_TUNING = {
+    "proxy": ("on_prefill_failure", "max_migrations", "migration_deadline_s", "stall_factor", "stall_floor_s",
+              "drain_timeout_s", "watchdog_s"),
+    "listener": ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s",
+                 "max_connections", "max_header_bytes", "max_body_bytes"),
+}
+
 
 @dataclass(frozen=True)
 class WorkerPlan:
@@ -40,6 +51,7 @@ class KVServerPlan:
     max_workers: int = 1
     heartbeat_s: float = 5.0  # workers' lmcache.mp.heartbeat_interval; the unit's RestartSec is > 2x this
     restart_sec: float = 15.0
+    watchdog_s: float = _d("kv_server", "watchdog_s")     # WatchdogSec of pd-kvcache (0 = none)
 
     @property
     def http_url(self) -> str:
@@ -60,6 +72,21 @@ class ProxyPlan:
     split_max_prefill_backlog: int = 65536
     split_idle_max_running: int = 0
     consumer_max_uncached: int = 512
+    # reliability and the public listener (PROXY_TUNING; defaults from the config schema)
+    on_prefill_failure: str = _d("proxy", "on_prefill_failure")
+    max_migrations: int = _d("proxy", "max_migrations")
+    migration_deadline_s: float = _d("proxy", "migration_deadline_s")
+    stall_factor: float = _d("proxy", "stall_factor")
+    stall_floor_s: float = _d("proxy", "stall_floor_s")
+    drain_timeout_s: float = _d("proxy", "drain_timeout_s")
+    watchdog_s: float = _d("proxy", "watchdog_s")
+    header_timeout_s: float = _d("listener", "header_timeout_s")
+    body_timeout_s: float = _d("listener", "body_timeout_s")
+    keepalive_timeout_s: float = _d("listener", "keepalive_timeout_s")
+    send_timeout_s: float = _d("listener", "send_timeout_s")
+    max_connections: int = _d("listener", "max_connections")
+    max_header_bytes: int = _d("listener", "max_header_bytes")
+    max_body_bytes: int = _d("listener", "max_body_bytes")
 
     @property
     def telemetry_url(self) -> str:
@@ -106,7 +133,8 @@ class Plan:
         kv = KVServerPlan(kind=k["kind"], zmq_port=int(k["zmq_port"]), http_port=int(k["http_port"]),
                           l1_size_gb=float(k["l1_size_gb"]), argv=tuple(k["argv"]), env=dict(k.get("env", {})),
                           max_workers=int(k.get("max_workers", 1)), heartbeat_s=float(k.get("heartbeat_s", 5.0)),
-                          restart_sec=float(k.get("restart_sec", 15.0)))
+                          restart_sec=float(k.get("restart_sec", 15.0)),
+                          watchdog_s=float(k.get("watchdog_s", _d("kv_server", "watchdog_s"))))
         p = d["proxy"]
         px = ProxyPlan(host=p["host"], port=int(p["port"]), internal_port=int(p["internal_port"]),
                        policy=p.get("policy", "pdctl"), kv_wait_s=float(p.get("kv_wait_s", 2.0)),
@@ -115,7 +143,9 @@ class Plan:
                        split_idle_max_running=int(p.get("split_idle_max_running", 0)),
                        consumer_max_uncached=int(p.get("consumer_max_uncached", 512)),
                        pd_min_prompt_tokens=int(p.get("pd_min_prompt_tokens", 512)),
-                       api_key_file=str(p.get("api_key_file", "")), public_status=bool(p.get("public_status", False)))
+                       api_key_file=str(p.get("api_key_file", "")), public_status=bool(p.get("public_status", False)),
+                       **{k: type(_d(sec, k))(p.get(k, _d(sec, k))) for sec, keys in PROXY_TUNING.items()
+                          for k in keys})
         return cls(mode=d["mode"], engine=d["engine"], engine_version=d.get("engine_version", ""),
                    model=d["model"], served_model_name=d.get("served_model_name", d["model"]),
                    tp=int(d.get("tp", 1)), workers=workers, kv_server=kv, proxy=px,

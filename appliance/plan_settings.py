@@ -111,6 +111,11 @@ def plan_from_settings(s: Settings, inventory: Inventory | None = None, probe_hu
         from .config import ConfigError
         raise ConfigError(f"{s.path}: proxy.public_status: needs proxy.api_key_file (the status is only served to "
                           "clients holding the API key)")
+    from .plan import PROXY_TUNING
+    tuning = {k: s.values[sec][k] for sec, keys in PROXY_TUNING.items() for k in keys}
+    kv = s.values["kv_server"]
     return replace(plan, proxy=replace(plan.proxy, kv_wait_s=px["kv_wait_s"],
                                        pd_min_prompt_tokens=px["pd_min_prompt_tokens"],
-                                       api_key_file=px["api_key_file"], public_status=px["public_status"]))
+                                       api_key_file=px["api_key_file"], public_status=px["public_status"],
+                                       **tuning),
+                   kv_server=replace(plan.kv_server, watchdog_s=kv["watchdog_s"]))

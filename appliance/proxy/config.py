@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import constants as C
+from ..config import default as _d
 from ..decide import Thresholds
+from ..plan import PROXY_TUNING
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,6 @@ class ProxyConfig:
     prefix_ttl_s: float = 300.0              # how long a stored prefix counts as "still in the KV server"
     api_key: str | None = None
     backend_api_key: str | None = None       # sent to the engines when they run with --api-key
-    max_body_bytes: int = 32 * 1024 * 1024
     max_tokens_limit: int = 1 << 20          # above this max_tokens is refused (engines' max_model_len refines it)
     connect_timeout_s: float = 1.0
     prefill_timeout_s: float = 300.0         # P leg: whole answer
@@ -47,7 +48,23 @@ class ProxyConfig:
     canary_interval_s: float = 5.0
     ready_window_s: float = 30.0             # /ready is true while the last good canary is younger than this
     max_attempts: int = 3                    # per leg, each on a different backend
-    on_prefill_failure: str = "fail"         # "fail" (503, counted) | "decode" (D does the prefill, counted)
+    on_prefill_failure: str = _d("proxy", "on_prefill_failure")   # "decode" (counted) | "fail" (503, counted)
+    # stream migration and hung workers (migrate.py, stall.py)
+    max_migrations: int = _d("proxy", "max_migrations")
+    migration_deadline_s: float = _d("proxy", "migration_deadline_s")
+    stall_factor: float = _d("proxy", "stall_factor")
+    stall_floor_s: float = _d("proxy", "stall_floor_s")
+    # lifecycle under systemd
+    drain_timeout_s: float = _d("proxy", "drain_timeout_s")
+    watchdog_s: float = _d("proxy", "watchdog_s")
+    # the public listener ([listener] in pdctl.toml)
+    header_timeout_s: float = _d("listener", "header_timeout_s")
+    body_timeout_s: float = _d("listener", "body_timeout_s")
+    keepalive_timeout_s: float = _d("listener", "keepalive_timeout_s")
+    send_timeout_s: float = _d("listener", "send_timeout_s")
+    max_connections: int = _d("listener", "max_connections")
+    max_header_bytes: int = _d("listener", "max_header_bytes")
+    max_body_bytes: int = _d("listener", "max_body_bytes")
     public_status: bool = False              # GET /pdctl/status on the public port too (API key required)
     kv_url: str = ""                         # the KV server's HTTP base URL: a restart empties its L1, so the
     #                                          proxy forgets which prefixes it believed stored
@@ -71,6 +88,7 @@ def from_plan(plan, **overrides) -> ProxyConfig:
               kv_wait_s=p.kv_wait_s, pd_min_prompt_tokens=p.pd_min_prompt_tokens,
               thresholds=Thresholds(p.aggregate_max_uncached, p.split_max_prefill_backlog, p.split_idle_max_running,
                                     p.consumer_max_uncached),
-              public_status=getattr(p, "public_status", False), kv_url=plan.kv_server.http_url)
+              public_status=getattr(p, "public_status", False), kv_url=plan.kv_server.http_url,
+              **{k: getattr(p, k) for keys in PROXY_TUNING.values() for k in keys})
     kw.update(overrides)
     return ProxyConfig(**kw)

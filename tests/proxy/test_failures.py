@@ -46,11 +46,12 @@ async def test_prefill_500_retried_on_another_prefiller(fresh, proxy_factory):
     assert px.server.counts["retries"] >= 1
 
 
-async def test_prefill_failure_never_dispatches_decode(fresh, proxy_factory):
+async def test_prefill_failure_never_dispatches_decode_when_told_to_fail(fresh, proxy_factory):
     e = fresh
     e["p0"].mode("error500")
     e["p1"].mode("error500")
-    px = await proxy_factory(make_cfg([e["p0"].url, e["p1"].url], [e["d0"].url], canary_interval_s=60))
+    px = await proxy_factory(make_cfg([e["p0"].url, e["p1"].url], [e["d0"].url], canary_interval_s=60,
+                                      on_prefill_failure="fail", policy="pdctl"))
     await asyncio.sleep(0.1)
     status, raw = await post(px.url, dict(CHAT, messages=[{"role": "user", "content": "p-fail"}]))
     assert status == 503
@@ -59,11 +60,11 @@ async def test_prefill_failure_never_dispatches_decode(fresh, proxy_factory):
     assert not [x for x in e["d0"].log() if x["body"].get("messages", [{}])[0].get("content") == "p-fail"]
 
 
-async def test_prefill_fallback_to_decode_is_counted(fresh, proxy_factory):
+async def test_prefill_fallback_to_decode_is_the_default_and_counted(fresh, proxy_factory):
+    """Hard P/D roles too (policy pdctl): a failed prefiller means the decoder prefills (no 503)."""
     e = fresh
     e["p0"].mode("error500")
-    px = await proxy_factory(make_cfg([e["p0"].url], [e["d0"].url], on_prefill_failure="decode",
-                                      max_attempts=1))
+    px = await proxy_factory(make_cfg([e["p0"].url], [e["d0"].url], max_attempts=1, policy="pdctl"))
     status, _ = await post(px.url, CHAT)
     assert status == 200
     assert px.server.status()["pd_skipped"].get("prefill_unavailable") == 1
