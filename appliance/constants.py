@@ -56,6 +56,7 @@ VLLM_EXT_PREFIX_HITS = "vllm:external_prefix_cache_hits"
 VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"
 VLLM_GENERATION_TOKENS = "vllm:generation_tokens"
 VLLM_PREEMPTIONS = "vllm:num_preemptions"
+VLLM_ITERATION_TOKENS = "vllm:iteration_tokens_total"     # histogram: tokens per engine step (_count = steps)
 VLLM_TTFT = "vllm:time_to_first_token_seconds"
 VLLM_ITL = "vllm:inter_token_latency_seconds"
 VLLM_E2E = "vllm:e2e_request_latency_seconds"
@@ -107,6 +108,8 @@ PROXY_KV_WAIT = "pdctl_proxy_kv_store_wait"             # counter {outcome}
 PROXY_DECISIONS = "pdctl_proxy_decisions"               # counter {kind,reason}: aggregate | split, why (decide.py)
 PROXY_LEGS = "pdctl_proxy_legs"                         # counter {backend,leg}: full | prefill | decode
 PROXY_LEGS_INFLIGHT = "pdctl_proxy_legs_inflight"       # gauge {backend,leg}
+PROXY_MIGRATIONS = "pdctl_proxy_migrations"             # counter {outcome}: a stream continued on another worker
+PROXY_STALLS = "pdctl_proxy_stalls"                     # counter {backend}: engines found hung (stall.py)
 
 # --- fleet: several boxes behind vllm-router (PyPI vllm-router, Rust) --------------------------------
 ROUTER_UNIT = "pd-router.service"

@@ -22,6 +22,9 @@ class EngineFlags:
     env: dict = field(default_factory=dict)
     notes: str = ""
     kv_both: str = ""              # what was measured of kv_role kv_both with LMCacheMPConnector ("" = unchecked)
+    stream_token_ids: bool = False  # streamed answers carry token ids with return_token_ids (stream migration
+    #                                 continues from them); continue_final_message is the text fallback
+    continuation: str = ""         # what was measured of both ("" = unchecked)
 
 
 ENGINE_VERSIONS: dict[str, EngineFlags] = {
@@ -35,7 +38,13 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
                 "(--gpu-memory-utilization 0.40 each, --disable-hybrid-kv-cache-manager, the module path) share "
                 "one server; a 7.9k prompt P-leg'd on A gave B +7680 external hits (= LMCache lookup_hit_tokens, "
                 "whole 256-token chunks); the reverse direction the same; aggregated on B 86-92 ms TTFT vs P 90 "
-                "+ D 61 ms"),
+                "+ D 61 ms",
+        stream_token_ids=True,
+        continuation="measured 2026-12-01 on one H200 (reference/gpu-h200.md): streamed /v1/completions and "
+                     "/v1/chat/completions with return_token_ids carry token_ids per chunk and prompt_token_ids "
+                     "in the first; prompt = prompt ids + the first 10 answer ids continued with exactly the "
+                     "run's remaining ids; continue_final_message + add_generation_prompt=false continued a "
+                     "partial assistant message"),
     "0.33.0": EngineFlags(
         version="0.33.0", device="cuda", entry=("vllm", "serve"), model_flag="", hma_flag=True,
         load_failure_policy=True,
@@ -54,7 +63,12 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
               "external hits for ~880-token prompts, both directions, split and aggregated); greedy text "
               "equals a connector-less engine's; "
               "with the telemetry env it posts request_store_finished for every finished request, even when "
-              "nothing new was stored, so a both worker that may serve a P leg needs that env"),
+              "nothing new was stored, so a both worker that may serve a P leg needs that env",
+        stream_token_ids=True,
+        continuation="measured 2026-12-02 (docs/reliability.md, tests/real/test_migration_cpu.py): completions "
+                     "put prompt_token_ids in the first choice, chat at the top of its first chunk; every chunk "
+                     "carries token_ids; prompt ids + the first k answer ids on /v1/completions gave exactly the "
+                     "remaining ids, for completions and for chat answers; /tokenize gives the same prompt ids"),
 }
 DEFAULT_GPU_VERSION = "0.26.0"
 DEFAULT_CPU_VERSION = "0.32.0+cpu"

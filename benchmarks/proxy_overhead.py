@@ -33,16 +33,26 @@ TOKENS = 4
 
 
 # ----------------------------------------------------------------------------- instant engines
-def _sse(i: int, last: bool) -> bytes:
+PROMPT_IDS = list(range(1000, 1040))   # the bench prompt's ~40 tokens
+
+
+def _sse(i: int, last: bool, ids: bool = False) -> bytes:
+    """vLLM 0.32's compact chunk; with ``ids`` (the request asked for return_token_ids, as pdctl's legs do) the
+    token ids are filled in and the first chunk carries the prompt's."""
     ch = {"id": "cmpl-bench", "object": "text_completion", "created": 1, "model": MODEL,
           "choices": [{"index": 0, "text": "tok", "logprobs": None, "finish_reason": "length" if last else None,
-                       "stop_reason": None}]}
-    return b"data: " + json.dumps(ch).encode() + b"\n\n"
+                       "stop_reason": None, "prompt_token_ids": PROMPT_IDS if ids and i == 0 else None,
+                       "token_ids": [500 + i] if ids else None}]}
+    return b"data: " + json.dumps(ch, separators=(",", ":")).encode() + b"\n\n"
 
 
-_EVENTS = [_sse(i, i == TOKENS - 1) for i in range(TOKENS)] + [b"data: [DONE]\n\n"]
-_STREAM = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
-           + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in _EVENTS) + b"0\r\n\r\n")
+def _stream(ids: bool) -> bytes:
+    events = [_sse(i, i == TOKENS - 1, ids) for i in range(TOKENS)] + [b"data: [DONE]\n\n"]
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked"
+            b"\r\n\r\n" + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+
+
+_STREAM, _STREAM_IDS = _stream(False), _stream(True)
 _JSON_BODY = json.dumps({"id": "cmpl-bench", "object": "text_completion", "created": 1, "model": MODEL,
                          "choices": [{"index": 0, "text": "tok", "logprobs": None, "finish_reason": "length"}],
                          "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8},
@@ -80,7 +90,8 @@ class EngineProto(asyncio.Protocol):
             method, path = head.split(" ", 2)[:2]
             if method == "POST":
                 stream = b'"stream": true' in body or b'"stream":true' in body
-                self.t.write(_STREAM if stream else _plain(_JSON_BODY))
+                ids = b'"return_token_ids":true' in body or b'"return_token_ids": true' in body
+                self.t.write((_STREAM_IDS if ids else _STREAM) if stream else _plain(_JSON_BODY))
             elif path.startswith("/v1/models"):
                 self.t.write(_plain(_MODELS_BODY))
             elif path.startswith("/metrics"):

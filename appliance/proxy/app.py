@@ -28,7 +28,9 @@ from .server import LeanServer, Request, Response
 from .telemetry import StoreWaiter, new_request_id
 from .canary import canary_loop, canary_once
 from .tokens import CharsPerToken
-from .upstream import UpstreamError
+from . import migrate
+from .relay import Relay, StreamJob
+from .stall import stall_loop
 from .validate import CHAT, COMPLETIONS, parse
 
 log = logging.getLogger("pdctl.proxy")
@@ -37,7 +39,6 @@ _KNOWN_GET = ("/v1/models", "/health", "/ready", "/metrics")
 # Answered by one engine (same model and tokenizer everywhere): a fleet router's cache_aware policy asks the
 # render routes for every text request to match prompt prefixes by token ids (docs/fleet.md).
 _UTILITY_PATHS = ("/tokenize", render.COMPLETIONS_RENDER, render.CHAT_RENDER)
-_SSE_TYPE = "text/event-stream; charset=utf-8"
 STORING_ROLES = ("prefill", "both")   # kv_producer / kv_both: what they compute lands in the KV server
 
 
@@ -136,6 +137,7 @@ class ProxyServer:
             b.pool.connect_timeout_s = b.probe_pool.connect_timeout_s = self.cfg.connect_timeout_s
         self.watcher.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._canary_loop()))
+        self._tasks.append(asyncio.get_running_loop().create_task(stall_loop(self)))
         self.public_port = await self._listen(self._public, self.cfg.host, self.cfg.port, self.cfg.max_body_bytes)
         if self.cfg.internal_port is not None and self.cfg.internal_port >= 0:
             self.internal_port = await self._listen(self._internal, self.cfg.internal_host, self.cfg.internal_port,
@@ -318,14 +320,17 @@ class ProxyServer:
             "canary": {k: v for k, v in self.canary.items() if k not in ("at", "last_ok")},
             "inflight": c.get("inflight", 0),
             "backends": [b.status() for b in self.backends],
-            "requests": {k: v for k, v in c.items() if ":" in k and not k.startswith(("kv_wait:", "skip:",
-                                                                                       "kv_server:", "decision:"))},
+            "requests": {k: v for k, v in c.items() if ":" in k and not k.startswith(
+                ("kv_wait:", "skip:", "kv_server:", "decision:", "migration:", "migration_refused:"))},
             "decisions": self._decision_mix(),
             "kv_server": {"watched": bool(self.cfg.kv_url), "up": self.kv_up,
                           "outages_seen": c.get("kv_server:down", 0)},
             "pd_skipped": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("skip:")},
             "kv_wait": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("kv_wait:")},
             "retries": c.get("retries", 0),
+            "migrations": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("migration:")},
+            "migrations_refused": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("migration_refused:")},
+            "stalls": c.get("stalls", 0),
             "chars_per_token": {"value": round(self.chars_per_token.value, 3), "learned": self.chars_per_token.learned},
             "telemetry": {"events": self.waiter.events, "matched": self.waiter.matched,
                           "unmatched": self.waiter.unmatched},
@@ -433,7 +438,9 @@ class ProxyServer:
             m.pd_skipped.labels(skip).inc()
             self.counts["skip:" + skip] += 1
         route = "decode_only" if skip else "pd"
-        data = decode_body(request.body, parsed.body, kv_params)
+        unmovable = migrate.unsupported(parsed.body, kind) if parsed.stream else "not_streamed"
+        token_ids = cfg.token_ids and parsed.stream and unmovable is None and cfg.max_migrations > 0
+        data = decode_body(request.body, parsed.body, kv_params, token_ids)
         aff = affinity_key(request.headers.get("x-session-id"), parsed.prompt_text)
         d = await self.legs.decode(path, data, rid, aff, parsed.stream, rt.decode, "full" if skip else "decode",
                                    rt.uncached if skip else 0, chars)
@@ -452,63 +459,10 @@ class ProxyServer:
             else:
                 self._count(kind, "client_error" if d.status < 500 else "upstream_error")
             return Response(d.body, d.status, {"Content-Type": d.content_type, "X-Request-Id": echo})
-        await self._stream(request, d, kind, route, t0, echo)
+        job = StreamJob(kind, parsed.body, rid, aff, route, t0, echo, token_ids,
+                        strip=token_ids and not parsed.body.get("return_token_ids"), unmovable=unmovable)
+        await Relay(self, request, job).run(d)
         return None
-
-    async def _stream(self, request: Request, d: DecodeStream, kind: str, route: str, t0: float, echo: str):
-        """Relay the D leg as it arrives; a failure after the first byte ends with an SSE error event."""
-        m = self.metrics
-        conn, b = d.conn, d.backend
-        idle = self.cfg.idle_timeout_s
-        b.inflight += 1
-        b.legs_inflight[d.leg] += 1
-        request.stream(200, {"Content-Type": d.content_type or _SSE_TYPE, "Cache-Control": "no-cache",
-                             "X-Request-Id": echo})
-        outcome, clean = "ok", False
-        try:
-            tail = d.first[-32:]
-            if conn.complete:            # the whole answer is already here: one write, end included
-                last, err = d.first, None
-            else:
-                await request.write(d.first)
-                last, err = None, None
-            m.decode_first.observe(d.seconds)
-            m.ttft_path[route].observe(time.monotonic() - t0)
-            while last is None:
-                try:
-                    data = await conn.read(idle)
-                except UpstreamError as e:
-                    err = f"the decode stream broke after the first byte ({e})"
-                    break
-                if not data:
-                    break
-                tail = (tail + data)[-32:]
-                if conn.complete:
-                    last = data
-                else:
-                    await request.write(data)
-            if err is None and not tail.rstrip().endswith(b"[DONE]"):
-                err = "the decode stream ended without [DONE]"
-            if err is not None:
-                err = f"{b.label}: {err}"
-                b.record_failure(err)
-                outcome = "stream_error"
-                ev = ProxyError(502, err + "; the answer is incomplete", "upstream_error", "stream_broken").sse()
-                last = ev if last is None else last + ev
-            else:
-                clean = True
-            await request.end(last or b"")
-        except (ConnectionResetError, BrokenPipeError):
-            outcome = "client_disconnect"
-        finally:
-            b.inflight -= 1
-            b.legs_inflight[d.leg] -= 1
-            if clean:
-                conn.release()
-            else:
-                conn.close()
-        self._count(kind, outcome)
-        m.e2e_path[route].observe(time.monotonic() - t0)
 
     # ----- readiness canary (canary.py) ---------------------------------------------------------------
     async def canary_once(self) -> bool:

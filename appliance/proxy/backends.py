@@ -38,6 +38,12 @@ class Backend:
     tokens_seen: float | None = None  # vllm:prompt_tokens_total at the last scrape
     legs: dict = field(default_factory=lambda: dict.fromkeys(LEG_KINDS, 0))           # served, by leg kind
     legs_inflight: dict = field(default_factory=lambda: dict.fromkeys(LEG_KINDS, 0))  # open now, by leg kind
+    # hung-worker detection (stall.py): evidence that the engine still makes progress
+    streams: set = field(default_factory=set)   # connections streaming an answer to a client now
+    last_progress: float = 0.0        # monotonic: last byte on any leg, last leg answered, or counters grew
+    itl_s: float = 0.0                # recent gap between two chunks of one stream (EWMA)
+    work_seen: float | None = None    # token counters at the last scrape (prompt + generation + steps)
+    stalls: int = 0                   # times it was found hung
 
     def __post_init__(self):
         u = urlsplit(self.spec.url)
@@ -52,12 +58,20 @@ class Backend:
     def label(self) -> str:
         return self.spec.label
 
-    def trip(self) -> None:
-        """The breaker opened: legs still waiting on this backend give up now and retry elsewhere."""
+    def trip(self, streams: bool = False) -> None:
+        """The breaker opened: legs still waiting on this backend give up now and retry elsewhere; with
+        ``streams`` (the engine is hung) the answers it is streaming fail too, and are continued elsewhere."""
         err = UpstreamError(f"{self.label}: breaker opened while waiting ({self.breaker.last_error})")
-        for c in list(self.pending):
+        for c in list(self.pending) + (list(self.streams) if streams else []):
             c.fail(err)
         self.pending.clear()
+
+    def touch(self, now: float | None = None) -> None:
+        """Evidence of progress (a byte arrived, a leg was answered, a leg starts on an idle engine)."""
+        self.last_progress = time.monotonic() if now is None else now
+
+    def chunk_gap(self, gap_s: float) -> None:
+        self.itl_s = gap_s if self.itl_s == 0.0 else 0.8 * self.itl_s + 0.2 * gap_s
 
     def record_failure(self, reason: str, source: str = "request") -> None:
         if source == "request":
@@ -83,4 +97,5 @@ class Backend:
                 "scrape_error": self.scrape_error, "probe_ms": round(self.probe_ms, 2),
                 "telemetry": self.spec.telemetry, "models": sorted(self.models),
                 "legs": dict(self.legs), "legs_inflight": dict(self.legs_inflight),
-                "prefill_backlog": self.prefill_backlog}
+                "prefill_backlog": self.prefill_backlog, "streams": len(self.streams),
+                "itl_ms": round(self.itl_s * 1000, 1), "stalls": self.stalls}

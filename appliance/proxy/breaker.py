@@ -77,6 +77,14 @@ class Breaker:
             self.opened_at = now   # still failing: stay open, no trial yet
         return False
 
+    def force_open(self, reason: str, source: str, now: float | None = None) -> None:
+        """Open now, whatever the count (a hung engine): only a real request can close it again."""
+        now = time.monotonic() if now is None else now
+        self.last_error = reason
+        self.consecutive_failures = max(self.consecutive_failures + 1, self.failures_to_open)
+        self.opened_by = source
+        self._go(OPEN, reason, now)
+
     def release(self) -> None:
         """A claimed half-open trial ended without a verdict (e.g. the client went away)."""
         self.trial_in_flight = False

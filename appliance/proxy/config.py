@@ -50,6 +50,8 @@ class ProxyConfig:
     max_attempts: int = 3                    # per leg, each on a different backend
     on_prefill_failure: str = _d("proxy", "on_prefill_failure")   # "decode" (counted) | "fail" (503, counted)
     # stream migration and hung workers (migrate.py, stall.py)
+    token_ids: bool = True                   # streamed legs ask for return_token_ids (exact continuation);
+    #                                          engines that ignore it are continued from text (migrate.py)
     max_migrations: int = _d("proxy", "max_migrations")
     migration_deadline_s: float = _d("proxy", "migration_deadline_s")
     stall_factor: float = _d("proxy", "stall_factor")
@@ -77,6 +79,17 @@ class ProxyConfig:
 TELEMETRY_ENV = "LMCACHE_REQUEST_TELEMETRY_ENDPOINT"
 
 
+def _token_ids(plan) -> bool:
+    """Whether the plan's engines return token ids with a stream (the flag table; the twin does)."""
+    if plan.engine == "twin":
+        return True
+    from ..engine_flags import flags_for
+    try:
+        return flags_for(plan.engine_version).stream_token_ids
+    except KeyError:
+        return False
+
+
 def from_plan(plan, **overrides) -> ProxyConfig:
     """Backends, ports and knobs from an ``appliance.plan.Plan``; nothing is re-derived here."""
     specs = []
@@ -89,6 +102,7 @@ def from_plan(plan, **overrides) -> ProxyConfig:
               thresholds=Thresholds(p.aggregate_max_uncached, p.split_max_prefill_backlog, p.split_idle_max_running,
                                     p.consumer_max_uncached),
               public_status=getattr(p, "public_status", False), kv_url=plan.kv_server.http_url,
+              token_ids=_token_ids(plan),
               **{k: getattr(p, k) for keys in PROXY_TUNING.values() for k in keys})
     kw.update(overrides)
     return ProxyConfig(**kw)

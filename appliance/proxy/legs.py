@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import ProxyError, unavailable, upstream_failed
+from .migrate import with_token_ids
 from .upstream import Conn, UpstreamError
 
 _P_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
@@ -30,13 +31,19 @@ def prefill_body(body: dict) -> bytes:
     return json.dumps(p).encode()
 
 
-def decode_body(raw: bytes, body: dict, kv_params) -> bytes:
-    """The D leg's body: the original bytes untouched unless the prefiller handed back kv_transfer_params."""
-    if kv_params is None:
-        return raw
-    d = dict(body)
-    d["kv_transfer_params"] = kv_params
-    return json.dumps(d).encode()
+def decode_body(raw: bytes, body: dict, kv_params, token_ids: bool = False) -> bytes:
+    """The D leg's body: the original bytes untouched unless the prefiller handed back kv_transfer_params;
+    with ``token_ids`` (a streamed answer that may have to be continued elsewhere, migrate.py) the engine is
+    asked for the token ids too."""
+    if kv_params is not None:
+        d = dict(body)
+        d["kv_transfer_params"] = kv_params
+        if token_ids and "return_token_ids" not in d:
+            d["return_token_ids"] = True
+        return json.dumps(d).encode()
+    if token_ids and "return_token_ids" not in body:
+        return with_token_ids(raw)
+    return raw
 
 
 def _kv_params(raw: bytes, label: str):
@@ -131,6 +138,8 @@ class Legs:
                 m.retries.labels(leg).inc()
                 self.s.counts["retries"] += 1
             tried += 1
+            if b.inflight <= 0:
+                b.touch()            # work starts on an idle engine: its stall clock starts now (stall.py)
             b.inflight += 1
             b.requests += 1
             b.prefill_backlog += backlog
@@ -155,6 +164,7 @@ class Legs:
                 if kind:
                     b.legs_inflight[kind] -= 1
             b.breaker.success("request")
+            b.touch()
             return out
         return errors
 
@@ -186,11 +196,13 @@ class Legs:
         return out
 
     async def decode(self, path: str, data: bytes, rid: str, affinity, stream: bool, first=None,
-                     kind: str = "decode", backlog: int = 0, chars: int = 0):
-        """DecodeStream (first chunk in hand), Passthrough, or ProxyError."""
+                     kind: str = "decode", backlog: int = 0, chars: int = 0, exclude=frozenset(),
+                     timeout: float | None = None):
+        """DecodeStream (first chunk in hand), Passthrough, or ProxyError. ``exclude``: backends not to try
+        (a continued stream avoids the worker that failed it); ``timeout``: until the first byte."""
         s = self.s
         headers = self.headers(rid)
-        timeout = s.cfg.first_byte_timeout_s
+        timeout = s.cfg.first_byte_timeout_s if timeout is None else timeout
 
         async def call(b):
             t0 = time.monotonic()
@@ -217,8 +229,9 @@ class Legs:
                 if not ok:
                     conn.close()
 
-        out = await self._attempts("decode", _prefer(first, lambda ex: s.policy.pick_decode(affinity, ex)), call,
-                                   kind, backlog, chars)
+        pick = (lambda ex: s.policy.pick_decode(affinity, set(ex) | exclude)) if exclude else \
+            (lambda ex: s.policy.pick_decode(affinity, ex))
+        out = await self._attempts("decode", _prefer(first, pick), call, kind, backlog, chars)
         if isinstance(out, list):
             if not out:
                 return unavailable("no decode worker is available (breakers: "

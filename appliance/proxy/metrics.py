@@ -37,6 +37,12 @@ class ProxyMetrics:
                             ["backend", "leg"], registry=r)
         self.legs_inflight = Gauge(C.PROXY_LEGS_INFLIGHT, "Legs open per backend now, by leg kind",
                                    ["backend", "leg"], registry=r)
+        self.migrations = Counter(C.PROXY_MIGRATIONS, "Streams whose worker failed after the first byte, by "
+                                  "outcome: ok (continued on another worker), completed (only the end was lost), "
+                                  "failed (no worker took it in time), unsupported (the request cannot be "
+                                  "continued), exhausted (max_migrations spent)", ["outcome"], registry=r)
+        self.stalls = Counter(C.PROXY_STALLS, "Engines found hung: legs open, no progress past the stall bound",
+                              ["backend"], registry=r)
         self._req_children: dict = {}
         self.ttft_path = {p: self.ttft.labels(p) for p in ("pd", "decode_only")}
         self.e2e_path = {p: self.e2e.labels(p) for p in ("pd", "decode_only")}

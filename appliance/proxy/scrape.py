@@ -14,7 +14,8 @@ log = logging.getLogger("pdctl.proxy")
 
 _WANT = {C.VLLM_RUNNING: "running", C.VLLM_WAITING: "waiting", C.VLLM_KV_USAGE: "kv_usage",
          C.VLLM_EXT_PREFIX_QUERIES + "_total": "ext_queries", C.VLLM_EXT_PREFIX_HITS + "_total": "ext_hits",
-         C.VLLM_PROMPT_TOKENS + "_total": "prompt_tokens"}
+         C.VLLM_PROMPT_TOKENS + "_total": "prompt_tokens", C.VLLM_GENERATION_TOKENS + "_total": "generation_tokens",
+         C.VLLM_ITERATION_TOKENS + "_count": "steps"}
 
 
 def parse_load(text: str) -> dict:
@@ -137,6 +138,10 @@ class Watcher:
         b.ext_queries, b.ext_hits = vals.get("ext_queries"), vals.get("ext_hits")
         self._calibrate(b, vals.get("prompt_tokens"))
         b.scraped_at = time.monotonic()
+        work = sum(vals.get(k, 0.0) for k in ("prompt_tokens", "generation_tokens", "steps"))
+        if b.work_seen is not None and work > b.work_seen:
+            b.touch(b.scraped_at)      # the engine works (maybe for others): not hung (stall.py)
+        b.work_seen = work
         b.scrape_error = "" if "running" in vals else f"{C.VLLM_RUNNING} missing from /metrics"
 
     async def models(self, b) -> None:

@@ -358,10 +358,15 @@ def build_app(eng: TwinEngine) -> web.Application:
                 if not isinstance(msgs, list) or not msgs:
                     raise ValueError("'messages' must be a non-empty list")
                 ids = tokens.chat_ids(msgs)
+                last = msgs[-1] if isinstance(msgs[-1], dict) else {}
+                tail = last.get("content") if body.get("continue_final_message") and isinstance(
+                    last.get("content"), str) else ""
             else:
                 if "prompt" not in body:
                     raise ValueError("'prompt' is required")
                 ids = tokens.prompt_ids(body["prompt"])
+                tail = body["prompt"] if isinstance(body["prompt"], str) else ""
+            start = tokens.answer_start(ids, tail)      # a continued answer goes on where it stopped
             if not ids:
                 raise ValueError("the prompt is empty")
             mt = body.get("max_completion_tokens") if chat else None
@@ -378,6 +383,7 @@ def build_app(eng: TwinEngine) -> web.Application:
                                f"you requested {len(ids) + mt} tokens ({len(ids)} in the messages, {mt} in the "
                                "completion). Please reduce the length of the messages or completion.")
         stream = bool(body.get("stream", False))
+        want_ids = bool(body.get("return_token_ids"))
         usage_in_stream = bool((body.get("stream_options") or {}).get("include_usage", False))
         xrid = request.headers.get("X-Request-Id") or secrets.token_hex(8)
         prefix = "chatcmpl" if chat else "cmpl"
@@ -394,7 +400,7 @@ def build_app(eng: TwinEngine) -> web.Application:
                 while True:
                     kind, val = await live.q.get()
                     if kind == "tok":
-                        text.append(tokens.filler(val))
+                        text.append(tokens.filler(start + val))
                         if cut_after is not None and live.n >= cut_after:
                             eng.abort(seq)
                             request.transport.abort()
@@ -432,7 +438,8 @@ def build_app(eng: TwinEngine) -> web.Application:
                     "created": created, "model": eng.name}
             if chat:
                 await send({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
+                                                 "logprobs": None, "finish_reason": None}],
+                            "prompt_token_ids": ids if want_ids else None, "prompt_text": None})
             while True:
                 kind, val = await live.q.get()
                 if kind == "err":
@@ -441,8 +448,10 @@ def build_app(eng: TwinEngine) -> web.Application:
                 if kind == "fin":
                     break
                 last = val == mt - 1          # the engine never stops early: the last token is known
-                await _send_piece(send, head, chat, tokens.filler(val), "length" if last else None,
-                                  eng.fingerprint if last and not usage_in_stream else None)
+                await _send_piece(send, head, chat, tokens.filler(start + val), "length" if last else None,
+                                  eng.fingerprint if last and not usage_in_stream else None,
+                                  [tokens.filler_id(start + val)] if want_ids else None,
+                                  ids if want_ids and val == 0 and not chat else None)
                 if cut_after is not None and live.n >= cut_after and not last:
                     eng.abort(seq)
                     request.transport.abort()
@@ -480,15 +489,16 @@ def build_app(eng: TwinEngine) -> web.Application:
 
 
 async def _send_piece(send, head: dict, chat: bool, text: str, reason: Optional[str],
-                      fingerprint: Optional[str] = None) -> None:
+                      fingerprint: Optional[str] = None, token_ids: Optional[list] = None,
+                      prompt_ids: Optional[list] = None) -> None:
     if chat:
         choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason,
-                  "token_ids": None}
+                  "token_ids": token_ids}
         if reason is not None:
             choice["stop_reason"] = None
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None,
-                  "prompt_token_ids": None, "token_ids": None}
+                  "prompt_token_ids": prompt_ids, "token_ids": token_ids}
     obj = {**head, "choices": [choice]}
     if fingerprint:
         obj["system_fingerprint"] = fingerprint

@@ -25,6 +25,8 @@ _FILLER = ("the", "model", "twin", "answers", "with", "steady", "filler", "text"
            "can", "count", "tokens", "and", "time", "streams")
 
 
+FILLER_WORDS = _FILLER        # the cycle every twin answer walks (tests check continued answers against it)
+
 _IDS: dict[str, tuple[int, ...]] = {}
 
 
@@ -83,3 +85,21 @@ def chunk_hashes(ids: Sequence[int], chunk: int = LMCACHE_CHUNK_TOKENS) -> list[
 def filler(i: int) -> str:
     """Text of output token ``i`` (one word with a leading space)."""
     return " " + _FILLER[i % len(_FILLER)]
+
+
+def filler_id(i: int) -> int:
+    """Token id of output token ``i``: above the prompt vocabulary, so a prompt that carries an answer's ids
+    shows where that answer stopped."""
+    return VOCAB + i % len(_FILLER)
+
+
+def answer_start(ids: Sequence[int], text: str = "") -> int:
+    """Where the answer to this context starts in the filler sequence: after the filler token (id) or word
+    (text) the context ends with, else at 0. So a request that carries the first part of an answer, as token
+    ids or as text (stream migration), is answered with exactly the rest of it."""
+    if ids and ids[-1] >= VOCAB:
+        return ids[-1] - VOCAB + 1
+    words = text.split()
+    if words and words[-1] in _FILLER:
+        return _FILLER.index(words[-1]) + 1
+    return 0

@@ -121,10 +121,15 @@ def kv_counters(box) -> tuple:
 class Load:
     """The load client running inside the container, in a thread of ours; ``result()`` joins it."""
 
-    def __init__(self, box, model: str, rps: float, seconds: float, key: str = "", prompts: str = "unique"):
+    def __init__(self, box, model: str, rps: float, seconds: float, key: str = "", prompts: str = "unique",
+                 max_tokens: int = 16, check_text: bool = False):
+        """``check_text``: every answer must be the twin's exact answer (MAX_TOKENS filler words from the
+        first): a stream continued on another worker with repeated or lost text counts as garbled."""
+        from appliance.twin.tokens import FILLER_WORDS
         self.out: dict = {}
         args = [VENV_PY, LOADCLIENT, "http://127.0.0.1:9000", model, str(rps), str(seconds),
-                "http://127.0.0.1:9001/pdctl/status", key, prompts]
+                "http://127.0.0.1:9001/pdctl/status", key, prompts, str(max_tokens),
+                ",".join(FILLER_WORDS) if check_text else ""]
 
         def go():
             r = box.run(args, timeout=seconds + 90)

@@ -1,6 +1,6 @@
 """Open-loop load with a per-request verdict; run *inside* the container (stdlib only, raw HTTP).
 
-usage: loadclient.py URL MODEL RATE SECONDS [STATUS_URL] [API_KEY] [PROMPTS]
+usage: loadclient.py URL MODEL RATE SECONDS [STATUS_URL] [API_KEY] [PROMPTS] [MAX_TOKENS] [CYCLE]
 
 PROMPTS ``unique`` (default: each prompt starts with its own id, so every request takes the P leg) or
 ``shared`` (one long shared prefix: the proxy may skip the P leg because the prefix is cached).
@@ -14,9 +14,13 @@ Each request (streaming completions, every 4th one non-streaming) gets exactly o
 - ``cut``           the HTTP framing itself was cut (incomplete chunked body, reset): the client library
                     raises, so it is not silent; expected only when the proxy process itself dies;
 - ``done_after_error``  an error event followed by ``[DONE]`` (must never happen);
+- ``garbled``       a complete answer whose text is not the answer asked for (with CYCLE: the twin engines'
+                    filler words, comma-separated; the answer to these prompts is MAX_TOKENS of them in order
+                    from the first, so a repeated or lost piece of a continued stream shows);
 - ``other``         anything else: another status, a refused/reset connection (e.g. the proxy itself died).
-``retried`` is the proxy's own retry counter delta over the run (``/pdctl/status`` on the internal port),
-summed over proxy restarts. Prints one JSON line: counts, first examples per outcome, latencies.
+``retried`` and ``migrated`` are the proxy's own retry and stream-migration counter deltas over the run
+(``/pdctl/status`` on the internal port), summed over proxy restarts. Prints one JSON line: counts, first
+examples per outcome, latencies.
 """
 from __future__ import annotations
 
@@ -33,10 +37,20 @@ TIMEOUT_S = 30.0
 RUN = f"{time.time():.3f}"
 
 
-def classify_stream(status: int, raw: bytes) -> tuple:
+def text_of(events: list) -> str:
+    out = []
+    for e in events:
+        try:
+            out += [c.get("text") or "" for c in json.loads(e).get("choices", [])]
+        except (ValueError, AttributeError):
+            pass
+    return "".join(out)
+
+
+def classify_stream(status: int, raw: bytes, expect: str | None = None) -> tuple:
     """(outcome, detail) for a streaming answer already read in full."""
     if status != 200:
-        return classify_plain(status, raw)
+        return classify_plain(status, raw, expect)
     events = [ln[5:].strip() for ln in raw.split(b"\n") if ln.startswith(b"data:")]
     err_at = next((i for i, e in enumerate(events) if e.startswith(b"{") and b'"error"' in e[:20]), None)
     done_at = next((i for i, e in enumerate(events) if e == b"[DONE]"), None)
@@ -45,17 +59,25 @@ def classify_stream(status: int, raw: bytes) -> tuple:
             return "done_after_error", events[err_at][:200].decode("utf-8", "replace")
         return "stream_error", events[err_at][:200].decode("utf-8", "replace")
     if done_at is not None and done_at == len(events) - 1 and done_at > 0:
+        if expect is not None:
+            got = text_of(events[:done_at])
+            if got != expect:
+                return "garbled", f"{len(got.split())} words, expected {len(expect.split())}: {got[-120:]!r}"
         return "ok", ""
     return "silent", f"{len(events)} events, no [DONE], no error event"
 
 
-def classify_plain(status: int, raw: bytes) -> tuple:
+def classify_plain(status: int, raw: bytes, expect: str | None = None) -> tuple:
     if status == 200:
         try:
             body = json.loads(raw)
-            return ("ok", "") if body.get("choices") else ("silent", raw[:200].decode("utf-8", "replace"))
         except ValueError:
             return "silent", "200 with a body that is not JSON"
+        if not body.get("choices"):
+            return "silent", raw[:200].decode("utf-8", "replace")
+        if expect is not None and body["choices"][0].get("text") != expect:
+            return "garbled", repr(body["choices"][0].get("text"))[-160:]
+        return "ok", ""
     try:
         msg = json.loads(raw)["error"]["message"]
     except (ValueError, KeyError, TypeError):
@@ -65,11 +87,12 @@ def classify_plain(status: int, raw: bytes) -> tuple:
     return "other", f"HTTP {status}: {raw[:200].decode('utf-8', 'replace')}"
 
 
-def one(url: str, model: str, i: int, key: str, prompts: str = "unique") -> tuple:
+def one(url: str, model: str, i: int, key: str, prompts: str = "unique", max_tokens: int = 16,
+        expect: str | None = None) -> tuple:
     u = urllib.parse.urlsplit(url)
     stream = i % 4 != 3
     prompt = PROMPT + f" request {i}" if prompts == "shared" else f"[{RUN}-{i}] " + PROMPT
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 16,
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
                        "temperature": 0, "stream": stream}).encode()
     hdrs = {"Content-Type": "application/json"}
     if key:
@@ -93,49 +116,57 @@ def one(url: str, model: str, i: int, key: str, prompts: str = "unique") -> tupl
                 return got
             return "cut", f"{type(e).__name__} after {len(raw)} bytes"
         raw = b"".join(chunks)
-        return classify_stream(r.status, raw) if stream else classify_plain(r.status, raw)
+        return classify_stream(r.status, raw, expect) if stream else classify_plain(r.status, raw, expect)
     except (OSError, http.client.HTTPException) as e:
         return "other", f"{type(e).__name__}: {e}"[:200]
     finally:
         conn.close()
 
 
-def retries(status_url: str) -> int | None:
+def retries(status_url: str) -> tuple | None:
+    """(retries, streams migrated, uptime) from the proxy's status, or None."""
     if not status_url:
         return None
     try:
         with urllib.request.urlopen(status_url, timeout=2) as r:
             d = json.loads(r.read())
-        return int(d.get("retries", 0)), float(d.get("uptime_s", 0))
+        mig = d.get("migrations") or {}
+        return int(d.get("retries", 0)), int(mig.get("ok", 0)) + int(mig.get("completed", 0)), \
+            float(d.get("uptime_s", 0))
     except (OSError, ValueError):
         return None
 
 
 def main(url: str, model: str, rate: float, seconds: float, status_url: str = "", key: str = "",
-         prompts: str = "unique") -> dict:
-    counts = {k: 0 for k in ("ok", "e503", "stream_error", "silent", "cut", "done_after_error", "other")}
+         prompts: str = "unique", max_tokens: int = 16, cycle: str = "") -> dict:
+    counts = {k: 0 for k in ("ok", "e503", "stream_error", "silent", "cut", "done_after_error", "garbled",
+                             "other")}
+    words = [w for w in cycle.split(",") if w]
+    expect = "".join(" " + words[k % len(words)] for k in range(max_tokens)) if words else None
     examples: dict = {}
     lat: list = []
     lock = threading.Lock()
-    retried = {"total": 0, "last": None}
+    retried = {"total": 0, "migrated": 0, "last": None}
     stop = threading.Event()
 
     def poll_retries() -> None:
-        # a restarted proxy starts its counter from 0: add up the deltas of each life
+        # a restarted proxy starts its counters from 0: add up the deltas of each life
         while True:
             got = retries(status_url)
             if got is not None:
-                n, up = got
+                n, m, up = got
                 last = retried["last"]
                 if last is not None:
-                    retried["total"] += n - last[0] if n >= last[0] and up >= last[1] else n
-                retried["last"] = (n, up)
+                    same_life = n >= last[0] and m >= last[1] and up >= last[2]
+                    retried["total"] += n - last[0] if same_life else n
+                    retried["migrated"] += m - last[1] if same_life else m
+                retried["last"] = (n, m, up)
             if stop.wait(0.5):
                 return
 
     def run(i: int) -> None:
         t0 = time.monotonic()
-        outcome, detail = one(url, model, i, key, prompts)
+        outcome, detail = one(url, model, i, key, prompts, max_tokens, expect)
         with lock:
             counts[outcome] += 1
             lat.append(time.monotonic() - t0)
@@ -164,7 +195,8 @@ def main(url: str, model: str, rate: float, seconds: float, status_url: str = ""
     if status_url:
         poller.join(5)
     lat.sort()
-    return {"sent": n, **counts, "retried": retried["total"] if status_url else None, "examples": examples,
+    return {"sent": n, **counts, "retried": retried["total"] if status_url else None,
+            "migrated": retried["migrated"] if status_url else None, "examples": examples,
             "p50_s": round(lat[len(lat) // 2], 3) if lat else None, "max_s": round(lat[-1], 3) if lat else None,
             "wall_s": round(time.monotonic() - t0, 2)}
 
@@ -172,4 +204,5 @@ def main(url: str, model: str, rate: float, seconds: float, status_url: str = ""
 if __name__ == "__main__":
     a = sys.argv[1:]
     print(json.dumps(main(a[0], a[1], float(a[2]), float(a[3]), a[4] if len(a) > 4 else "",
-                          a[5] if len(a) > 5 else "", a[6] if len(a) > 6 else "unique")))
+                          a[5] if len(a) > 5 else "", a[6] if len(a) > 6 else "unique",
+                          int(a[7]) if len(a) > 7 else 16, a[8] if len(a) > 8 else "")))

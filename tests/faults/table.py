@@ -1,7 +1,8 @@
 """The fault table as Markdown (printed by the suite, pasted into docs/reliability.md)."""
 from __future__ import annotations
 
-COLS = (("fault", "fault"), ("sent", "sent"), ("ok", "ok"), ("retried", "retried"), ("503", "503"),
+COLS = (("fault", "fault"), ("sent", "sent"), ("ok", "ok"), ("retried", "retried"), ("migrated", "migrated"),
+        ("503", "503"),
         ("stream_errors", "stream errors"), ("cut", "cut (proxy died)"), ("other", "other"), ("silent", "silent 200s"),
         ("recover_s", "time to recover (s)"), ("status_shows", "pdctl status shows it"),
         ("max_latency_s", "max latency (s)"), ("note", "note"))

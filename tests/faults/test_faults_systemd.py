@@ -21,6 +21,8 @@ from .common import (LOAD_RPS, Load, backend, backend_state, curl, engine_pid, k
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
 LOAD_S = 16.0        # seconds of load per fault (covers a restart: RestartSec 5 s + engine start)
+ANSWER_TOKENS = 64   # long enough that a failure lands mid-stream (the first round used 16)
+STALL_BOUND_S = 5.0  # [proxy] stall_floor_s: a hung decoder's streams move after this much silence
 INJECT_AT = 2.0      # the fault lands this long after the load starts
 READMIT_S = 10.0     # healthy -> re-admitted by the proxy within this
 FAULT_TABLE: list = []
@@ -85,13 +87,15 @@ def wait_healthy_and_admitted(box, instance: str, timeout: float = 90.0) -> tupl
 def check_invariants(name: str, res: dict, cuts_allowed: bool = False) -> None:
     assert "crashed" not in res, f"{name}: load client failed: {res}"
     assert res["silent"] == 0, f"{name}: silent cuts (200 without [DONE] or error event): {res}"
+    assert res["garbled"] == 0, f"{name}: answers with repeated or lost text: {res}"
     if not cuts_allowed:
         assert res["cut"] == 0, f"{name}: the proxy is alive, so a broken stream must end with an error event: {res}"
     assert res["done_after_error"] == 0, f"{name}: [DONE] after an error event: {res}"
 
 
 def record(name, res, recover_s, status_seen, note="") -> None:
-    row = {"fault": name, "sent": res["sent"], "ok": res["ok"], "retried": res["retried"], "503": res["e503"],
+    row = {"fault": name, "sent": res["sent"], "ok": res["ok"], "retried": res["retried"],
+           "migrated": res.get("migrated"), "503": res["e503"],
            "stream_errors": res["stream_error"], "cut": res["cut"], "other": res["other"],
            "silent": res["silent"],
            "recover_s": None if recover_s is None else round(recover_s, 1), "status_shows": bool(status_seen),
@@ -111,7 +115,7 @@ def box(installed):
 def kill_engine(box, instance: str, name: str) -> None:
     unit = unit_of(instance)
     before = restarts(box, unit)
-    load = Load(box, model(box), LOAD_RPS, LOAD_S)
+    load = Load(box, model(box), LOAD_RPS, LOAD_S, max_tokens=ANSWER_TOKENS, check_text=True)
     time.sleep(INJECT_AT)
     watch = StatusWatch(box, (instance, unit))
     pid = engine_pid(box, unit)
@@ -136,7 +140,9 @@ def proxy_decisions(box) -> dict:
 
 def test_kill9_decoder_engine(box):
     res = kill_engine(box, "decode-0", "kill -9 decoder engine")
-    assert res["ok"] + res["e503"] + res["stream_error"] == res["sent"], res  # nothing unexplained
+    # its streams continue on the other decoders, its first-byte waits are retried there: no client sees it
+    assert res["ok"] == res["sent"], res
+    assert res["migrated"] > 0, res
 
 
 def test_kill9_prefiller_engine(box):
@@ -144,8 +150,7 @@ def test_kill9_prefiller_engine(box):
     res = kill_engine(box, "prefill-0", "kill -9 prefiller engine (the only one)")
     # soft roles: with the only prefiller gone the adaptive policy aggregates on a decoder (which prefills the
     # prompt itself) instead of answering 503; the first round's pdctl policy answered 52 of 128 with a 503
-    assert res["ok"] + res["e503"] + res["stream_error"] == res["sent"], res
-    assert res["e503"] == 0, res
+    assert res["ok"] == res["sent"], res
     after = proxy_decisions(box)
     assert after.get("aggregate", {}).get("no_prefiller", 0) > before.get("aggregate", {}).get("no_prefiller", 0)
 
@@ -220,7 +225,7 @@ def test_kill9_proxy(box):
 
 def test_systemctl_stop_decoder(box):
     inst, unit = "decode-1", unit_of("decode-1")
-    load = Load(box, model(box), LOAD_RPS, LOAD_S)
+    load = Load(box, model(box), LOAD_RPS, LOAD_S, max_tokens=ANSWER_TOKENS, check_text=True)
     time.sleep(INJECT_AT)
     watch = StatusWatch(box, (inst, unit))
     box.systemctl("stop", unit, check=True, timeout=90)
@@ -241,7 +246,7 @@ def test_systemctl_stop_decoder(box):
 
 def injected(box, inst: str, mode: str, arg=None, lasts: float = 5.0) -> tuple:
     """Run load, inject ``mode`` on ``inst`` for ``lasts`` s, clear it; -> (result, recover s, status seen)."""
-    load = Load(box, model(box), LOAD_RPS, LOAD_S)
+    load = Load(box, model(box), LOAD_RPS, LOAD_S, max_tokens=ANSWER_TOKENS, check_text=True)
     time.sleep(INJECT_AT)
     watch = StatusWatch(box, (inst,))
     set_fault(box, inst, mode, arg)
@@ -255,10 +260,14 @@ def injected(box, inst: str, mode: str, arg=None, lasts: float = 5.0) -> tuple:
 
 
 def test_hung_decoder(box):
-    res, rec, seen, adm = injected(box, "decode-2", "hang", lasts=5.0)
-    record("hung decoder (5 s)", res, rec, seen, "recover = fault cleared -> re-admitted")
+    res, rec, seen, adm = injected(box, "decode-2", "hang", lasts=8.0)
+    record("hung decoder (8 s)", res, rec, seen, f"its streams moved after {STALL_BOUND_S:g} s of silence (stall "
+           "bound), its first-byte waits when its breaker opened; recover = fault cleared -> re-admitted")
     check_invariants("hung decoder", res)
-    assert res["ok"] + res["e503"] + res["stream_error"] == res["sent"], res
+    assert res["ok"] == res["sent"], res
+    assert res["migrated"] > 0, res
+    # a request waits at most the stall bound plus the time to continue it, not the 8 s hang
+    assert res["max_s"] < STALL_BOUND_S + 6.0, res
     READMIT["hung decoder"] = (round(adm, 1), TRAILS["decode-2"])
     assert seen, "pdctl status never showed the hung decoder"
 
@@ -268,15 +277,16 @@ def test_decoder_answering_500(box):
     record("decoder answers HTTP 500", res, rec, seen, "retried on the other decoders")
     check_invariants("decoder answers HTTP 500", res)
     assert res["retried"] and res["retried"] > 0, res
-    assert res["ok"] + res["e503"] == res["sent"], res      # before the first byte: retry or 503, never a cut
+    assert res["ok"] == res["sent"], res      # before the first byte: retried elsewhere
 
 
 def test_decoder_dies_mid_stream(box):
-    res, rec, seen, adm = injected(box, "decode-1", "die_mid_stream", 3, lasts=5.0)
-    record("decoder dies mid-stream", res, rec, seen, "cut streams end with an SSE error event")
+    res, rec, seen, adm = injected(box, "decode-1", "die_mid_stream", 20, lasts=5.0)
+    record("decoder dies mid-stream", res, rec, seen, "each stream cut after 20 tokens continued on another "
+           "decoder from its token ids")
     check_invariants("decoder dies mid-stream", res)
-    assert res["stream_error"] > 0, res
-    assert res["ok"] + res["e503"] + res["stream_error"] == res["sent"], res
+    assert res["migrated"] > 0, res
+    assert res["ok"] == res["sent"], res
 
 
 def test_readmitted_within_10s_of_healthy(box):

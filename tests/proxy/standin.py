@@ -3,8 +3,12 @@
 Run as its own process: ``python tests/proxy/standin.py --port 0 --port-file F [--telemetry URL]``.
 Faults are switched at run time with ``POST /_control {"mode": ...}``:
   ok | error500 | hang_gen (generation hangs, /health fine) | hang_all (everything hangs) |
-  die_mid_stream (two chunks, then the connection is cut) | no_done (clean end without [DONE]) |
+  die_mid_stream (``after`` tokens, default 2, then the connection is cut) | stall_mid_stream (``after``
+  tokens, then nothing more) | no_done (clean end without [DONE]) |
   crash (the process exits on the next generation request) | die_before_first (cut before any byte)
+Answers come from a deterministic toy model: each answer token's id depends only on the previous token, its
+text is `` w<id>`` (which tokenizes back to that id), and ``return_token_ids`` is honoured as vLLM does, so
+a continuation from token ids or from text gives exactly the rest of the answer.
 ``GET /_log`` returns what it received (path, X-Request-Id, body); ``POST /_reset`` clears it.
 With ``--telemetry URL`` it posts LMCache's request_store_finished after ``store_delay_s`` (as a
 prefiller with LMCACHE_REQUEST_TELEMETRY_TYPE=fastapi does), with vLLM's id wrapping.
@@ -21,6 +25,47 @@ from aiohttp import ClientSession, web
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 4096
+ANSWER_BASE = 1000      # answer token ids are >= this; their text is " w<id>" and tokenizes back to the id
+
+
+def word_id(w: str) -> int:
+    if w.startswith("w") and w[1:].isdigit() and int(w[1:]) >= ANSWER_BASE:
+        return int(w[1:])
+    return sum(map(ord, w)) % ANSWER_BASE
+
+
+def text_ids(text: str) -> list:
+    return [word_id(w) for w in str(text).split()]
+
+
+def chat_prompt_ids(body: dict) -> list:
+    ids = []
+    for m in body["messages"]:
+        c = m.get("content")
+        c = " ".join(p.get("text", "") for p in c if isinstance(p, dict)) if isinstance(c, list) else (c or "")
+        ids += text_ids(f"{m.get('role', 'user')}: {c}")
+    if body.get("add_generation_prompt", True) and not body.get("continue_final_message"):
+        ids.append(7)   # the generation prompt
+    return ids
+
+
+def next_id(prev: int) -> int:
+    """A deterministic 'model': the next answer token depends only on the last token of the context."""
+    return ANSWER_BASE + (prev * 7919 + 13) % 9000
+
+
+def answer(prompt_ids: list, n: int) -> str:
+    """The text of an n-token answer to ``prompt_ids`` (what tests compare with)."""
+    out, prev = [], (prompt_ids[-1] if prompt_ids else 0)
+    for _ in range(n):
+        prev = next_id(prev)
+        out.append(f" w{prev}")
+    return "".join(out)
+
+
+def expected(body: dict, n: int) -> str:
+    """The answer a request body gets (chat: its messages; completions: its prompt text)."""
+    return answer(chat_prompt_ids(body) if "messages" in body else text_ids(body["prompt"]), n)
 
 
 class Engine:
@@ -33,6 +78,8 @@ class Engine:
         self.active = 0
         self.cancelled = 0
         self.token_delay_s = 0.0
+        self.cut_after = 2           # die_mid_stream / stall_mid_stream: after this many tokens
+        self.generated = 0           # vllm:generation_tokens_total
         self.session: ClientSession | None = None
 
     async def hang_if(self, *modes):
@@ -58,7 +105,8 @@ class Engine:
         text = (f"# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"
                 f"vllm:num_requests_running{lab} {g['running'] + self.active}\n"
                 f"vllm:num_requests_waiting{lab} {g['waiting']}\n"
-                f"vllm:kv_cache_usage_perc{lab} {g['kv']}\n")
+                f"vllm:kv_cache_usage_perc{lab} {g['kv']}\n"
+                f"vllm:generation_tokens_total{lab} {self.generated}\n")
         return web.Response(text=text)
 
     async def control(self, request):
@@ -66,6 +114,7 @@ class Engine:
         self.mode = body.get("mode", self.mode)
         self.store_delay_s = body.get("store_delay_s", self.store_delay_s)
         self.token_delay_s = body.get("token_delay_s", self.token_delay_s)
+        self.cut_after = body.get("after", self.cut_after)
         self.gauges.update(body.get("gauges", {}))
         self.telemetry = body.get("telemetry", self.telemetry)
         return web.json_response({"mode": self.mode})
@@ -78,6 +127,7 @@ class Engine:
         self.cancelled = 0
         self.mode = "ok"
         self.token_delay_s = 0.0
+        self.cut_after = 2
         self.gauges = {"running": 0.0, "waiting": 0.0, "kv": 0.0}
         return web.json_response({})
 
@@ -128,7 +178,7 @@ class Engine:
         except ValueError as e:
             return web.json_response({"error": {"message": str(e), "type": "BadRequestError", "param": "messages",
                                                 "code": 400}}, status=400)
-        ids = [sum(map(ord, w)) % 50000 for w in str(text).split()]
+        ids = chat_prompt_ids(body) if "messages" in body else text_ids(text)
         return web.json_response({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids})
 
     async def generate(self, request):
@@ -148,43 +198,66 @@ class Engine:
         prefix = "chatcmpl" if chat else "cmpl"
         vid = f"{prefix}-{rid}-0-8d6b96cd"
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 4)
-        n = min(n, 64)
+        n = min(n, 256)
         if self.telemetry and n == 1 and not body.get("stream"):
             asyncio.get_running_loop().create_task(self._post_store_finished(vid))
         created = int(time.time())
-        usage = {"prompt_tokens": 7, "total_tokens": 7 + n, "completion_tokens": n}
+        if chat:
+            pids = chat_prompt_ids(body)
+        else:
+            pr = body.get("prompt")
+            pids = list(pr) if isinstance(pr, list) and all(isinstance(t, int) for t in pr) else text_ids(
+                pr if isinstance(pr, str) else " ".join(map(str, pr or [])))
+        ans, prev = [], (pids[-1] if pids else 0)
+        for _ in range(n):
+            prev = next_id(prev)
+            ans.append(prev)
+        want_ids = bool(body.get("return_token_ids"))
+        usage = {"prompt_tokens": len(pids), "total_tokens": len(pids) + n, "completion_tokens": n}
         if not body.get("stream"):
+            text = "".join(f" w{t}" for t in ans)
             if chat:
-                ans = {"id": vid, "object": "chat.completion", "created": created, "model": MODEL,
-                       "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok" * n},
-                                    "logprobs": None, "finish_reason": "length", "stop_reason": None}],
-                       "usage": usage, "kv_transfer_params": body.get("kv_transfer_params") and
-                       {"echo": body["kv_transfer_params"]}}
+                ans_obj = {"id": vid, "object": "chat.completion", "created": created, "model": MODEL,
+                           "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                        "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+                           "usage": usage, "kv_transfer_params": body.get("kv_transfer_params") and
+                           {"echo": body["kv_transfer_params"]}}
             else:
-                ans = {"id": vid, "object": "text_completion", "created": created, "model": MODEL,
-                       "choices": [{"index": 0, "text": "tok" * n, "logprobs": None, "finish_reason": "length",
-                                    "stop_reason": None}], "usage": usage,
-                       "kv_transfer_params": {"remote_engine_id": "e1", "remote_block_ids": [1, 2],
-                                              "stamp": rid} if n == 1 else None}
-            return web.json_response(ans)
+                ans_obj = {"id": vid, "object": "text_completion", "created": created, "model": MODEL,
+                           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+                                        "stop_reason": None}], "usage": usage,
+                           "kv_transfer_params": {"remote_engine_id": "e1", "remote_block_ids": [1, 2],
+                                                  "stamp": rid} if n == 1 else None}
+            self.generated += n
+            return web.json_response(ans_obj)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         self.active += 1
         try:
-            for i in range(n):
+            if chat:    # vLLM's first chat chunk: the role, and the prompt ids at the top level
+                ch = {"id": vid, "object": "chat.completion.chunk", "created": created, "model": MODEL,
+                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}], "prompt_token_ids": pids if want_ids else None,
+                      "prompt_text": None}
+                await resp.write(b"data: " + json.dumps(ch).encode() + b"\n\n")
+            for i, t in enumerate(ans):
+                fin = "length" if i == n - 1 else None
                 if chat:
-                    delta = {"role": "assistant", "content": ""} if i == 0 else {"content": "tok"}
                     ch = {"id": vid, "object": "chat.completion.chunk", "created": created, "model": MODEL,
-                          "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                       "finish_reason": "length" if i == n - 1 else None}]}
+                          "choices": [{"index": 0, "delta": {"content": f" w{t}"}, "logprobs": None,
+                                       "finish_reason": fin, "token_ids": [t] if want_ids else None}]}
                 else:
                     ch = {"id": vid, "object": "text_completion", "created": created, "model": MODEL,
-                          "choices": [{"index": 0, "text": "tok", "logprobs": None,
-                                       "finish_reason": "length" if i == n - 1 else None, "stop_reason": None}]}
+                          "choices": [{"index": 0, "text": f" w{t}", "logprobs": None, "finish_reason": fin,
+                                       "stop_reason": None, "prompt_token_ids": pids if want_ids and i == 0
+                                       else None, "token_ids": [t] if want_ids else None}]}
                 await resp.write(b"data: " + json.dumps(ch).encode() + b"\n\n")
-                if self.mode == "die_mid_stream" and i == 1:
+                self.generated += 1
+                if self.mode == "die_mid_stream" and i + 1 == self.cut_after:
                     request.transport.abort()
                     return resp
+                if self.mode == "stall_mid_stream" and i + 1 == self.cut_after:
+                    await self.hang_if("stall_mid_stream")
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
             if (body.get("stream_options") or {}).get("include_usage"):

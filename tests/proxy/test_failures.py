@@ -127,11 +127,17 @@ async def test_mid_stream_death_ends_with_an_error_event_never_done(fresh, proxy
 
 
 async def test_stream_without_done_is_not_a_silent_success(fresh, proxy_factory):
+    """The engine ends cleanly but without [DONE]: without migration that is an error event; with it, the
+    answer was complete (its finish_reason went out), so only the end is added, counted as completed."""
     e = fresh
     e["d0"].mode("no_done")
-    px = await proxy_factory(make_cfg([e["p0"].url], [e["d0"].url]))
+    px = await proxy_factory(make_cfg([e["p0"].url], [e["d0"].url], max_migrations=0))
     status, raw = await post(px.url, CHAT)
     assert b"data: [DONE]" not in raw and b'"stream_broken"' in raw
+    px = await proxy_factory(make_cfg([e["p0"].url], [e["d0"].url]))
+    status, raw = await post(px.url, CHAT)
+    assert raw.endswith(b"data: [DONE]\n\n") and b"error" not in raw
+    assert px.server.status()["migrations"] == {"completed": 1}
 
 
 async def test_death_before_first_byte_is_retried(fresh, proxy_factory):

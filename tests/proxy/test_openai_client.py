@@ -4,6 +4,10 @@ from __future__ import annotations
 import openai
 import pytest
 
+from .standin import expected
+
+HI = {"messages": [{"role": "user", "content": "hi"}]}
+
 
 @pytest.fixture
 async def client(pd):
@@ -15,7 +19,7 @@ async def client(pd):
 async def test_chat_non_streaming(client, fresh):
     r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=3)
-    assert r.choices[0].message.content == "tok" * 3
+    assert r.choices[0].message.content == expected(HI, 3)
     assert r.usage.completion_tokens == 3
     assert any(e["body"].get("max_tokens") == 1 for e in fresh["p0"].log() + fresh["p1"].log())
 
@@ -26,20 +30,20 @@ async def test_chat_streaming_with_usage(client):
                                                   stream_options={"include_usage": True})
     chunks = [c async for c in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == "tok" * 3          # first delta is the role with empty content, as vLLM sends
+    assert text == expected(HI, 4)     # first delta is the role with empty content, as vLLM sends
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
 
 
 async def test_completions_non_streaming(client):
     r = await client.completions.create(model="tiny", prompt="hello", max_tokens=2)
-    assert r.choices[0].text == "toktok"
+    assert r.choices[0].text == expected({"prompt": "hello"}, 2)
     assert r.choices[0].finish_reason == "length"
 
 
 async def test_completions_streaming_without_usage(client):
     stream = await client.completions.create(model="tiny", prompt="hello", max_tokens=5, stream=True)
     chunks = [c async for c in stream]
-    assert "".join(c.choices[0].text for c in chunks) == "tok" * 5
+    assert "".join(c.choices[0].text for c in chunks) == expected({"prompt": "hello"}, 5)
     assert all(c.usage is None for c in chunks)
 
 

@@ -21,7 +21,7 @@ async def test_tokenize_is_forwarded_to_one_engine_with_the_backend_key(fresh, p
     chat = {"model": "tiny", "messages": [{"role": "system", "content": "be brief"},
                                           {"role": "user", "content": "hello"}]}
     got, raw = await send(px.url, "/tokenize", json.dumps(chat).encode())
-    assert got == 200 and json.loads(raw)["count"] == 3
+    assert got == 200 and json.loads(raw)["count"] == 6      # "system: be brief", "user: hello", gen. prompt
     seen = [x for name in ("p0", "d0") for x in e[name].log() if x["path"] == "/tokenize"]
     assert len(seen) == 2                                   # each call reached exactly one engine
     assert all(x["auth"] == "Bearer engine-key" for x in seen)
@@ -75,7 +75,7 @@ async def test_render_routes_answer_vllms_shape_from_tokenize(fresh, proxy_facto
             "stream": True}
     got, raw = await send(px.url, "/v1/chat/completions/render", json.dumps(chat).encode())
     ans = json.loads(raw)
-    assert got == 200 and isinstance(ans, dict) and len(ans["token_ids"]) == 2
+    assert got == 200 and isinstance(ans, dict) and len(ans["token_ids"]) == 4   # user: hello there + gen.
     sent = [x["body"] for x in e["p0"].log() + e["d0"].log() if x["path"] == "/tokenize"][-1]
     assert sent == {"model": "tiny", "messages": chat["messages"], "add_generation_prompt": True}
     # batched prompts: one entry per prompt, token ids given are returned without an engine call

@@ -1,0 +1,262 @@
+"""Relay a streamed answer to the client, and continue it on another worker when its worker fails.
+
+Only whole SSE events go out (a partial event waits for its end), so when a worker fails after the first byte
+the client holds a clean prefix of the answer. Then, within ``max_migrations`` and ``migration_deadline_s``,
+the rest is asked from another healthy worker (migrate.py says how) and relayed in the same stream: no error
+event, no repeated or lost text. When it cannot be continued (no worker, budget spent, a request feature that
+cannot be continued) the stream ends with the SSE error event, never a clean ``[DONE]``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from . import migrate as M
+from .errors import ProxyError
+from .legs import DecodeStream, Passthrough
+from .upstream import UpstreamError
+from .validate import CHAT
+
+log = logging.getLogger("pdctl.proxy")
+SSE_TYPE = "text/event-stream; charset=utf-8"
+
+
+@dataclass
+class StreamJob:
+    """One client's streamed request, as the relay needs it."""
+    kind: str                    # validate.CHAT | validate.COMPLETIONS
+    body: dict                   # the client's request, parsed
+    rid: str                     # our X-Request-Id on every leg
+    affinity: object
+    route: str                   # "pd" | "decode_only" (metrics)
+    t0: float                    # arrival
+    echo: str                    # X-Request-Id the client gets back
+    token_ids: bool = False      # the legs were asked for token ids (migrate.py)
+    strip: bool = False          # ... and the client was not: take them out again
+    unmovable: str | None = None  # why this request cannot be continued elsewhere (None: it can)
+
+    @property
+    def want_usage(self) -> bool:
+        so = self.body.get("stream_options")
+        return isinstance(so, dict) and bool(so.get("include_usage") or so.get("continuous_usage_stats"))
+
+
+@dataclass
+class _Leg:
+    conn: object
+    backend: object
+    kind: str                    # leg kind for the per-backend counts ("decode" | "full")
+    first: bytes = b""
+    rewriter: M.Rewriter | None = None
+    last_at: float = field(default_factory=time.monotonic)
+
+
+class Relay:
+    def __init__(self, server, request, job: StreamJob):
+        self.s, self.request, self.job = server, request, job
+        self.log = bytearray()       # the events of the current leg sent to the client (token ids kept)
+        self.keep = not job.unmovable and server.cfg.max_migrations > 0
+        self.prior: M.Progress | None = None   # what the client got before the current leg
+        self.tail = b""
+        self.last: bytes | None = None         # the final piece, sent together with the end of the stream
+        self.failed: set = set()
+        self.migrations = 0
+
+    # ----- one leg ------------------------------------------------------------------------------------
+    def _open(self, leg: _Leg) -> None:
+        b = leg.backend
+        if b.inflight <= 0:
+            b.touch()
+        b.inflight += 1
+        b.legs_inflight[leg.kind] += 1
+        b.streams.add(leg.conn)
+
+    def _close(self, leg: _Leg, clean: bool) -> None:
+        b = leg.backend
+        b.inflight -= 1
+        b.legs_inflight[leg.kind] -= 1
+        b.streams.discard(leg.conn)
+        if clean:
+            leg.conn.release()
+        else:
+            leg.conn.close()
+
+    def _record(self, buf: bytes) -> None:
+        self.tail = (self.tail + buf)[-32:]
+        if self.keep:
+            if len(self.log) + len(buf) > M.LOG_CAP_BYTES:
+                self.keep = False
+                self.job.unmovable = "too_long"
+                self.log = bytearray()
+            else:
+                self.log += buf
+
+    async def _pump(self, leg: _Leg) -> str | None:
+        """Relay ``leg`` until it ends: None when it ended with [DONE] (the last piece is in ``self.last``),
+        else why it failed."""
+        conn, b = leg.conn, leg.backend
+        idle = self.s.cfg.idle_timeout_s
+        data, leg.first = leg.first, b""
+        pending = b""
+        while True:
+            if not data:
+                try:
+                    data = await conn.read(idle)
+                except UpstreamError as e:
+                    return f"the stream broke after the first byte ({e})"
+                if not data:
+                    break
+            now = time.monotonic()
+            b.touch(now)
+            b.chunk_gap(now - leg.last_at)
+            leg.last_at = now
+            buf = pending + data if pending else data
+            data = b""
+            cut = M.event_end(buf)
+            buf, pending = (buf, b"") if cut == len(buf) else (buf[:cut], buf[cut:])
+            if not buf:
+                continue
+            if leg.rewriter is not None:
+                buf = leg.rewriter.feed(buf)
+            self._record(buf)
+            out = M.strip_ids(buf) if self.job.strip else buf
+            if conn.complete and not pending:
+                self.last = out
+                break
+            if out:
+                await self.request.write(out)
+        if pending.strip():                  # a last event without its blank line: it is whole now
+            buf = leg.rewriter.feed(pending + b"\n\n") if leg.rewriter is not None else pending
+            self._record(buf)
+            out = M.strip_ids(buf) if self.job.strip else buf
+            self.last = (self.last or b"") + out
+        if not self.tail.rstrip().endswith(b"[DONE]"):
+            return "the stream ended without [DONE]"
+        return None
+
+    # ----- the whole stream ---------------------------------------------------------------------------
+    async def run(self, d: DecodeStream) -> None:
+        m, job = self.s.metrics, self.job
+        self.request.stream(200, {"Content-Type": d.content_type or SSE_TYPE, "Cache-Control": "no-cache",
+                                  "X-Request-Id": job.echo})
+        m.decode_first.observe(d.seconds)
+        m.ttft_path[job.route].observe(time.monotonic() - job.t0)
+        leg = _Leg(d.conn, d.backend, d.leg, d.first)
+        outcome = "ok"
+        self._open(leg)
+        try:
+            while True:
+                err = await self._pump(leg)
+                if err is None:
+                    self._close(leg, clean=True)
+                    leg = None
+                    break
+                err = f"{leg.backend.label}: {err}"
+                leg.backend.record_failure(err)
+                self.failed.add(leg.backend)
+                self._close(leg, clean=False)
+                leg = None
+                nxt = await self._continue(err)
+                if isinstance(nxt, _Leg):
+                    leg = nxt
+                    self._open(leg)
+                    continue
+                if nxt is None:              # only the end was lost: closed cleanly
+                    break
+                outcome = "stream_error"
+                ev = ProxyError(502, f"{err}; the answer is incomplete ({nxt})", "upstream_error",
+                                "stream_broken").sse()
+                self.last = (self.last or b"") + ev
+                break
+            await self.request.end(self.last or b"")
+        except (ConnectionResetError, BrokenPipeError):
+            outcome = "client_disconnect"
+        finally:
+            if leg is not None:
+                self._close(leg, clean=False)
+        self.s._count(job.kind, outcome)
+        m.e2e_path[job.route].observe(time.monotonic() - job.t0)
+
+    # ----- migration ----------------------------------------------------------------------------------
+    def _counted(self, outcome: str, reason: str = "") -> None:
+        self.s.metrics.migrations.labels(outcome).inc()
+        self.s.counts[f"migration:{outcome}"] += 1
+        if reason:
+            self.s.counts[f"migration_refused:{reason}"] += 1
+
+    def _progress(self) -> M.Progress:
+        cur = M.progress(bytes(self.log), self.job.kind)
+        if self.prior is None:
+            return cur
+        p = self.prior
+        return M.Progress(p.kind, p.id, p.created, p.model, p.role_sent or cur.role_sent, p.prompt_ids,
+                          p.steps + cur.steps, cur.finish, cur.usage, cur.done, p.reasoning or cur.reasoning,
+                          p.tool_calls or cur.tool_calls, cur.engine_error)
+
+    async def _prompt_tokens(self, p: M.Progress) -> int | None:
+        """The original prompt's token count, for the usage the client gets (None: usage passes unfixed)."""
+        if p.prompt_ids is not None:
+            return len(p.prompt_ids)
+        if not self.job.want_usage:
+            return None
+        b = self.job.body
+        ask = {"model": b["model"], **({"messages": b["messages"]} if self.job.kind == CHAT else
+                                        {"prompt": b.get("prompt")})}
+        out = await self.s.legs.utility("/tokenize", json.dumps(ask).encode(), self.job.rid)
+        if isinstance(out, Passthrough) and out.status == 200:
+            try:
+                return int(json.loads(out.body)["count"])
+            except (ValueError, KeyError, TypeError):
+                return None
+        return None
+
+    async def _continue(self, err: str):
+        """A _Leg streaming the rest of the answer; None when nothing was left to ask for (the end was sent);
+        else the reason it could not be continued (the caller ends with the SSE error event)."""
+        job, cfg = self.job, self.s.cfg
+        if not self.keep or job.unmovable:
+            why = job.unmovable or ("off" if cfg.max_migrations <= 0 else "too_long")
+            self._counted("unsupported", why)
+            return f"not continued: {why}"
+        if self.migrations >= cfg.max_migrations:
+            self._counted("exhausted")
+            return f"not continued: max_migrations={cfg.max_migrations} spent"
+        p = self._progress()
+        why = M.why_not(p)
+        if why:
+            self._counted("unsupported", why)
+            return f"not continued: {why}"
+        if p.finish is not None:             # the last token went out; only the end of the stream was lost
+            self.last = (self.last or b"") + M.closing(p, job.want_usage, await self._prompt_tokens(p))
+            self._counted("completed")
+            return None
+        cont = M.continuation(job.kind, job.body, p, job.token_ids)
+        if isinstance(cont, str):
+            self._counted("unsupported", cont)
+            return f"not continued: {cont}"
+        left = cont.body.get("max_tokens")
+        if left is not None and left <= 0:   # every token was sent: end as the engine would have
+            self.last = (self.last or b"") + M.length_end(p) + M.closing(p, job.want_usage,
+                                                                         await self._prompt_tokens(p))
+            self._counted("completed")
+            return None
+        deadline = time.monotonic() + cfg.migration_deadline_s
+        prompt_tokens = await self._prompt_tokens(p)
+        d = await self.s.legs.decode(cont.path, json.dumps(cont.body).encode(), job.rid, job.affinity, True,
+                                     kind="full", exclude=self.failed,
+                                     timeout=max(0.1, deadline - time.monotonic()))
+        if not isinstance(d, DecodeStream):
+            why = d.message if isinstance(d, ProxyError) else f"HTTP {d.status}: {d.body[:160]!r}"
+            self._counted("failed")
+            return f"no worker continued it: {why}"
+        self.migrations += 1
+        self._counted("ok")
+        log.warning("%s: stream %s continued on %s after %s tokens (%s mode; %s)", job.echo, job.rid,
+                    d.backend.label, p.tokens_sent, cont.mode, err)
+        # what the client holds now is the new leg's starting point; held-back tokens are asked for again
+        self.prior = M.Progress(p.kind, p.id, p.created, p.model, p.role_sent, p.prompt_ids, p.steps[:p.shown],
+                                reasoning=p.reasoning, tool_calls=p.tool_calls)
+        self.log = bytearray()
+        return _Leg(d.conn, d.backend, d.leg, d.first, M.Rewriter(job.kind, p, cont.mode, prompt_tokens))

