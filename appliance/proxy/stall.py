@@ -3,7 +3,8 @@
 Progress is any evidence that the engine still works: a byte on any of its legs, a leg answered, or its token
 counters (prompt, generation, engine steps) grown between two scrapes, so an engine that is busy with other
 requests (ours queue behind them) or with a long prefill is not hung. The bound is
-``max(stall_floor_s, stall_factor x its recent inter-token latency)``. A hung engine's breaker opens at once
+``max(stall_floor_s, stall_factor x its recent inter-token latency, its prefill backlog / a slow prefill rate)``
+(a long prompt alone on an engine may show nothing until its prefill ends). A hung engine's breaker opens at once
 (a probe alone cannot close it again: /health may still answer while the engine core is wedged) and every
 leg on it fails now: a wait for a first byte is retried on another worker, an answer being streamed is
 continued elsewhere (relay.py).
@@ -16,10 +17,12 @@ import time
 
 log = logging.getLogger("pdctl.proxy")
 SOURCE = "stall"
+SLOW_PREFILL_TOKENS_PER_S = 2000.0   # below what any engine we plan for prefills (a tiny model on 2 CPU cores:
+#                                      ~5,000/s; an H200: tens of thousands)
 
 
-def bound_s(itl_s: float, floor_s: float, factor: float) -> float:
-    return max(floor_s, factor * itl_s)
+def bound_s(itl_s: float, floor_s: float, factor: float, backlog_tokens: int = 0) -> float:
+    return max(floor_s, factor * itl_s, backlog_tokens / SLOW_PREFILL_TOKENS_PER_S)
 
 
 def silence(b, now: float, floor_s: float, factor: float) -> float | None:
@@ -27,14 +30,15 @@ def silence(b, now: float, floor_s: float, factor: float) -> float | None:
     if b.inflight <= 0 and not b.streams:
         return None
     quiet = now - b.last_progress
-    return quiet if quiet > bound_s(b.itl_s, floor_s, factor) else None
+    return quiet if quiet > bound_s(b.itl_s, floor_s, factor, b.prefill_backlog) else None
 
 
 def declare_hung(server, b, quiet: float, now: float) -> None:
     cfg = server.cfg
     why = (f"{b.label}: hung: no progress on any of its {b.inflight} open legs for {quiet:.1f} s (bound "
-           f"{bound_s(b.itl_s, cfg.stall_floor_s, cfg.stall_factor):.1f} s = max(stall_floor_s, stall_factor x "
-           f"inter-token latency {b.itl_s * 1000:.0f} ms))")
+           f"{bound_s(b.itl_s, cfg.stall_floor_s, cfg.stall_factor, b.prefill_backlog):.1f} s = max(stall_floor_s, "
+           f"stall_factor x inter-token latency {b.itl_s * 1000:.0f} ms, prefill backlog {b.prefill_backlog} "
+           f"tokens / {SLOW_PREFILL_TOKENS_PER_S:g} per s))")
     log.warning(why)
     b.stalls += 1
     b.failures += 1

@@ -141,3 +141,16 @@ def test_closing_when_only_the_end_was_lost():
     assert json.loads(out.split(b"\n\n")[0][6:])["usage"] == {"prompt_tokens": 1, "total_tokens": 3,
                                                               "completion_tokens": 2}
     assert out.endswith(b"data: [DONE]\n\n")
+
+
+def test_stall_bound_and_verdict():
+    from types import SimpleNamespace
+
+    from appliance.proxy.stall import bound_s, silence
+    assert bound_s(0.01, 5.0, 20.0) == 5.0                       # the floor
+    assert bound_s(0.5, 5.0, 20.0) == 10.0                       # 20 x a slow engine's inter-token latency
+    assert bound_s(0.01, 5.0, 20.0, 100_000) == 50.0             # a 100k-token prefill alone shows nothing
+    b = SimpleNamespace(inflight=1, streams=set(), last_progress=100.0, itl_s=0.0, prefill_backlog=0)
+    assert silence(b, 104.0, 5.0, 20.0) is None and silence(b, 106.0, 5.0, 20.0) == 6.0
+    b.inflight = 0
+    assert silence(b, 1000.0, 5.0, 20.0) is None                 # idle is not hung
