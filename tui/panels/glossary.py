@@ -1,16 +1,23 @@
 """What the help screen says: every key, and what every number on the dashboard counts (one line each)."""
 from __future__ import annotations
 
+import textwrap
+
+from rich.markup import escape
+
 KEYS = (
     ("tab / shift+tab", "move between the roles table, the GPU table and the journal"),
     ("↑ ↓", "select a row (a unit in the roles table)"),
     ("enter", "detail of the selected unit: its engine metrics, its GPU, its last journal lines"),
     ("l", "show / hide the journal of the selected unit"),
     ("u / a", "in the journal: next unit / all units (the unit filter)"),
+    ("f", "the fleet table full height and back (a box that is also the fleet's front node)"),
     ("r", "restart the selected unit (asks first)"),
     ("s", "stop / start the selected unit (asks first)"),
     ("p", "pause / resume refreshing (the collector keeps polling)"),
-    ("?", "this help          escape: close a dialog          q: quit"),
+    ("?", "this help (↑ ↓ scroll it)"),
+    ("escape", "close a dialog, the help or a detail"),
+    ("q", "quit"),
 )
 
 NUMBERS = (
@@ -51,7 +58,16 @@ NUMBERS = (
 )
 
 
-def markup() -> str:
-    keys = "\n".join(f"  [b]{k:<16}[/b]{v}" for k, v in KEYS)
-    nums = "\n".join(f"  [b]{k}[/b]: {v}" for k, v in NUMBERS)
+def _hang(head: str, text: str, indent: int, width: int) -> str:
+    """``head`` then ``text`` wrapped to ``width`` with a hanging indent (the help is 72 cells wide at
+    80 columns: a wrapped description stays in its column instead of starting under the keys)."""
+    lines = textwrap.wrap(text, width - indent) or [""]
+    pad = " " * indent
+    return "\n".join([f"[b]{escape(head)}[/b]{' ' * (indent - len(head))}{escape(lines[0])}"] +
+                     [pad + escape(ln) for ln in lines[1:]])
+
+
+def markup(width: int = 72) -> str:
+    keys = "\n".join(_hang(f"  {k}", v, 19, width) for k, v in KEYS)
+    nums = "\n".join(_hang(f"  {k}", v, 19, width) for k, v in NUMBERS)
     return f"[b]pdctl tui[/b] — keys\n{keys}\n\n[b]What the numbers are[/b]\n{nums}\n"

@@ -18,13 +18,13 @@ STATE_STYLE = {"ready": "bold black on green", "starting": "bold black on yellow
 
 
 def plan_shape(snap: Snapshot) -> str:
-    """``1P3D`` for a disaggregated plan (prefill/decode worker counts; ``2B`` more for workers that serve
-    either leg, role "both"), ``2x aggregated`` otherwise."""
+    """``1P3D`` (prefill/decode worker counts), ``8B`` (soft roles: workers that serve either leg, role
+    "both"), ``1P0D3B`` (a hybrid); ``2x aggregated`` for an aggregated plan."""
     roles = [w.role for w in snap.workers]
-    if snap.mode == "disaggregated":
-        both = roles.count("both")
-        return f"{roles.count('prefill')}P{roles.count('decode')}D" + (f"{both}B" if both else "")
-    return f"{len(roles)}x {snap.mode}"
+    if snap.mode == "aggregated":
+        return f"{len(roles)}x {snap.mode}"
+    p, d, b = roles.count("prefill"), roles.count("decode"), roles.count("both")
+    return (f"{p}P{d}D" if p or d else "") + (f"{b}B" if b else "")
 
 
 def gpus_text(snap: Snapshot) -> str:
