@@ -59,7 +59,7 @@ NUMBERS = (
 
 
 def _hang(head: str, text: str, indent: int, width: int) -> str:
-    """``head`` then ``text`` wrapped to ``width`` with a hanging indent (the help is 72 cells wide at
+    """``head`` then ``text`` wrapped to ``width`` with a hanging indent (the help has 70 cells inside at
     80 columns: a wrapped description stays in its column instead of starting under the keys)."""
     lines = textwrap.wrap(text, width - indent) or [""]
     pad = " " * indent
@@ -67,7 +67,7 @@ def _hang(head: str, text: str, indent: int, width: int) -> str:
                      [pad + escape(ln) for ln in lines[1:]])
 
 
-def markup(width: int = 72) -> str:
+def markup(width: int = 68) -> str:
     keys = "\n".join(_hang(f"  {k}", v, 19, width) for k, v in KEYS)
     nums = "\n".join(_hang(f"  {k}", v, 19, width) for k, v in NUMBERS)
     return f"[b]pdctl tui[/b] — keys\n{keys}\n\n[b]What the numbers are[/b]\n{nums}\n"
