@@ -112,7 +112,7 @@ class PdctlApp(App):
                 yield RowsPanel(id="kv", classes="panel")
             yield Static(id="decisions")
             yield DataTable(id="roles", cursor_type="row", zebra_stripes=False)
-            yield DataTable(id="gpus", cursor_type="row")
+            yield DataTable(id="gpus", cursor_type="none")      # read-only: no row to act on
         if self.fleet is not None:
             if self.fleet_only:               # the fleet is the dashboard: router line, boxes, every reason
                 yield Static(id="fleet-line")

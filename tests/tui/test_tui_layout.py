@@ -195,3 +195,21 @@ def test_help_lists_every_key_binding_and_explains_every_panel_number():
                   "LMCache conn.", "KV server", "L1 used", "decisions", "run/wait", "legs F P D", "legs/s", "rst",
                   "breaker", "status", "GPU rows"):
         assert label in numbers, label
+
+
+async def test_a_value_that_grows_widens_its_column_instead_of_being_cut():
+    """0% then 13% in the KV column (the demo's L1 filling up): the cell shows all of "13%"."""
+    from dataclasses import replace
+    first = full(4)
+    first = replace(first, kv=replace(first.kv, l1_usage=0.0))
+    later = replace(first, kv=replace(first.kv, l1_usage=0.13), workers=tuple(
+        replace(w, kv_usage=1.0, running=123.0) for w in first.workers))
+    src = Scripted(first, later)
+    app = PdctlApp(src, refresh=0.2)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.8)
+        assert app.snapshot is later
+        roles = app.query_one("#roles")
+        text = shown(app, "#roles")
+        assert "13%" in text and "100%" in text and "123/1" in text, text
+        assert roles.virtual_size.width <= roles.scrollable_content_region.width

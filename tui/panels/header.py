@@ -43,7 +43,7 @@ def title(snap: Optional[Snapshot], paused: bool) -> Fit:
     pause = ("  PAUSED", "bold reverse yellow") if paused else ("", "")
     units = (f" · {snap.units_note}", "dim") if snap.units_note else ("", "")
     short_units = (" · no systemd", "dim") if snap.units_note else ("", "")
-    eng = f"{snap.engine} {snap.engine_version}".strip()
+    eng = snap.engine if snap.engine_version in ("", snap.engine) else f"{snap.engine} {snap.engine_version}"
     return Fit((
         form(("pdctl ", "bold"), (f"{shape} {snap.mode}", "bold cyan"), (" · ", "dim"), (gpus_text(snap), "bold"),
              (" · ", "dim"), (snap.model, ""), (" · ", "dim"), (eng, ""), (" · ", "dim"), (up, ""), units, pause),

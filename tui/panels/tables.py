@@ -59,11 +59,14 @@ def _sync(table: DataTable, rows: list[tuple[str, dict]], columns: tuple) -> Non
         if 0 <= cursor < len(rows):
             table.move_cursor(row=cursor)
     else:
+        cols = table.columns
         for key, cells in rows:
             before = last.get(key, {})
             for c in keys:
-                if before.get(c) != cells.get(c, ""):
-                    table.update_cell(key, c, cells.get(c, ""), update_width=False)
+                new = cells.get(c, "")
+                if before.get(c) != new:       # widen the column only when the value would not fit (13% after 0%)
+                    n = new.cell_len if isinstance(new, Text) else len(str(new))
+                    table.update_cell(key, c, new, update_width=n > cols[c].content_width)
     table._pdctl_cells = dict(rows)
 
 

@@ -1,5 +1,6 @@
 """Text charts with scales: a p50/p95 history over a labelled time axis with a labelled SLO line, and
-sparklines for table cells and metric rows.
+sparklines for table cells and metric rows. A history far below its SLO (under a quarter of it) is scaled
+to itself, so 60 ms under a 2 s SLO is a shape, not a flat line; the legend still says the SLO.
 
 A chart is ``rows`` of text: a left gutter with the scale (top value, ``SLO`` on the SLO's row, ``0`` at the
 bottom) and the plot; with room for it, a last row with the time axis (``-5m … now``). Each plot column is
@@ -89,6 +90,8 @@ def render_chart(p50: Sequence[float], p95: Sequence[float], width: int, height:
     c50 = [math.nan] * (len(c95) - len(c50)) + c50[-len(c95):] if c95 else []
     pad = plot_w - len(c95)
     known = [v for v in c95 if v == v]
+    if slo and known and max(known) < slo / 4:
+        slo = None                       # far below the SLO: scale to the data (the legend says the SLO)
     top = nice_top(max(known + ([slo * 1.25] if slo else []) + [1e-9]))
     slo_row = None if not slo else rows - 1 - min(rows - 1, int(slo / top * rows))
     out = []
