@@ -141,6 +141,8 @@ class PdctlApp(App):
             self.query_one("#latency").border_title = "latency"
             self.query_one("#kv").border_title = "KV cache"
             self.query_one("#kv").tooltip = summary.KV_TOOLTIP
+            self.query_one("#latency").tooltip = summary.tooltip("TTFT p50/p95", "TPOT p50/p95", "SLO")
+            self.query_one("#traffic").tooltip = summary.tooltip("req/s", "in / out tok/s", "errors/s", "migr/s")
             self.query_one("#traffic").border_title = "throughput"
             self.query_one("#roles").border_title = "roles"
             self.query_one("#gpus").border_title = "GPUs"

@@ -213,3 +213,12 @@ async def test_a_value_that_grows_widens_its_column_instead_of_being_cut():
         text = shown(app, "#roles")
         assert "13%" in text and "100%" in text and "123/1" in text, text
         assert roles.virtual_size.width <= roles.scrollable_content_region.width
+
+
+async def test_summary_panels_have_tooltips_that_explain_their_numbers():
+    app = PdctlApp(Scripted(full(4)), refresh=3600)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        assert "prefill saved: share of the clients' prompt tokens" in str(app.query_one("#kv").tooltip)
+        assert "TPOT p50/p95: time between output tokens" in str(app.query_one("#latency").tooltip)
+        assert "errors/s: client requests that failed" in str(app.query_one("#traffic").tooltip)

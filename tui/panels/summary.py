@@ -64,6 +64,13 @@ KV_TOOLTIP = ("prefill saved: share of the clients' prompt tokens no engine comp
               "all over the last window (deltas between samples, never lifetime totals)")
 
 
+def tooltip(*keys: str) -> str:
+    """The help's one-line explanations of these numbers (panels/glossary.py is their one owner)."""
+    from .glossary import NUMBERS
+    about = dict(NUMBERS)
+    return "\n".join(f"{k}: {about[k]}" for k in keys)
+
+
 @dataclass(frozen=True)
 class Fit:
     """One line in several forms, longest first: renders the first that fits the width it is given (the
