@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 from appliance import constants as C
 from appliance.inventory import NA, is_na
 
+from . import figures as F
 from . import names as N
 from . import routing
 from . import state as S
@@ -190,14 +191,14 @@ class Collector:
         kv = self._kv(got, km, states.get(C.KV_UNIT) or na_unit(C.KV_UNIT, "no state"))
         proxy = self._proxy(got, pm, breakers, proxy_url, states.get(C.PROXY_UNIT) or na_unit(C.PROXY_UNIT, "?"))
         layers = self._layers(workers, kv)
-        errors, migrations = self._proxy_rates(pm)
+        errors, migrations = F.proxy_rates(self.window, pm)
         traffic = Traffic(req_per_s=proxy.req_per_s,
                           prompt_tps=sum_values([w.prompt_tps for w in workers]),
                           gen_tps=sum_values([w.gen_tps for w in workers]),
                           running=sum_values([w.running for w in workers]),
                           waiting=sum_values([w.waiting for w in workers]),
                           errors_per_s=errors, migrations_per_s=migrations)
-        tpot50, tpot95 = self._tpot(wm)
+        tpot50, tpot95 = F.tpot(self.window, wm, self._absent)
         gpu_source, gpus = self._gpus(raw_gpus, states)
         overall, reasons = S.overall(workers, kv, proxy)
         self._tick += 1
@@ -211,7 +212,7 @@ class Collector:
                                               if not is_na(g.mem_used_bytes) and not is_na(g.mem_total_bytes)
                                               and g.mem_total_bytes else None)
         self._history.push(hist_vals)
-        model, count = self._gpu_model(gpu_source, gpus)
+        model, count = F.gpu_model(self.plan, gpu_source, gpus)
         return Snapshot(
             taken_at=now, tick=self._tick, interval_s=self.interval, window_s=round(self.window.span, 3),
             mode=plan.mode, engine=plan.engine, engine_version=plan.engine_version,
@@ -511,44 +512,6 @@ class Collector:
                                  temp_c=g.temp_c, power_w=g.power_w, power_limit_w=g.power_limit_w,
                                  processes=procs))
         return getattr(self.sampler, "source", "gpu"), tuple(out)
-
-    def _proxy_rates(self, pm: Any) -> tuple:
-        """Errors/s (box-side failures of client requests) and stream migrations/s over the window."""
-        if isinstance(pm, NA):
-            return pm, pm
-        errors = self.window.rate("px:errors", "px")
-        if N.resolve(N.PROXY, "migrations", pm.names) is None:
-            migrations: Any = NA("proxy does not expose migrations")
-        else:
-            migrations = self.window.rate("px:migrations", "px")
-        return errors, migrations
-
-    def _tpot(self, wm: dict) -> tuple:
-        """TPOT p50/p95 over the window from every worker's inter-token latency histogram (bucket deltas)."""
-        total: dict = {}
-        why: Any = None
-        for inst, m in wm.items():
-            d = m if isinstance(m, NA) else self.window.delta(f"w:{inst}:itl")
-            if isinstance(d, dict):
-                for le, c in d.items():
-                    total[le] = total.get(le, 0.0) + c
-            elif why is None:
-                why = (self._absent("itl") if isinstance(d, NA) and d.reason.startswith("series absent")
-                       else d if isinstance(d, NA) else NA("inter-token latency is not a histogram"))
-        if not total:
-            na = why if isinstance(why, NA) else NA("no workers in the plan")
-            return na, na
-        return quantile(0.5, total), quantile(0.95, total)
-
-    def _gpu_model(self, source: Any, gpus: tuple) -> tuple:
-        """("NVIDIA H200", 8) from the samples; the plan's hardware name when there are none."""
-        if gpus:
-            names = sorted({g.name for g in gpus})
-            return " + ".join(names), len(gpus)
-        n = len({i for w in self.plan.workers for i in w.gpus})
-        if self.plan.hardware and n:
-            return self.plan.hardware, n
-        return (source if isinstance(source, NA) else NA("no GPU samples")), n
 
 
 def collect_once(plan: Any, gpu_sampler: Optional[GpuSampler] = None, *, units: Optional[UnitSource] = None,
