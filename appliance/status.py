@@ -45,7 +45,7 @@ def duration(v: Any) -> str:
 def unit_text(st: UnitState) -> str:
     """Short unit state: active, failed, inactive, restarting (auto-restart), starting, stopping."""
     if is_na(st.active):
-        return "NA"
+        return "-" if "not a systemd host" in st.active.reason else "NA"
     if st.sub == "auto-restart":
         return "restarting"
     return {"activating": "starting", "deactivating": "stopping"}.get(st.active, st.active)
@@ -123,31 +123,45 @@ def na_notes(snap: Snapshot) -> list[str]:
     for w in snap.workers:
         add(w.instance, w.health)
         add(f"{w.instance} metrics", w.running)
-        add(f"{w.instance} unit", w.state.active)
-    add("kv unit", snap.kv.state.active)
-    add("proxy unit", snap.proxy.state.active)
+        if not snap.units_note:
+            add(f"{w.instance} unit", w.state.active)
+    if snap.units_note:
+        notes.append(f"units: {snap.units_note}")
+    else:
+        add("kv unit", snap.kv.state.active)
+        add("proxy unit", snap.proxy.state.active)
     add("TTFT SLO", snap.slo_ttft_s)
+    add("TPOT", snap.tpot_p50_s)
+    add("prefill saved", snap.kv_layers.prefill_saved)
+    add("migrations", snap.traffic.migrations_per_s)
     return notes
 
 
 def render_text(snap: Snapshot) -> str:
     out = []
     reasons = f" ({'; '.join(snap.overall_reasons)})" if snap.overall_reasons else ""
-    out.append(f"pdctl {snap.mode} {snap.engine} {snap.engine_version}  model {snap.model}  "
+    gpus = f"{snap.gpu_count}x {snap.gpu_model}" if not is_na(snap.gpu_model) else "no GPUs"
+    out.append(f"pdctl {snap.mode} {snap.engine} {snap.engine_version}  model {snap.model}  {gpus}  "
                f"{snap.overall.upper()}{reasons}  uptime {duration(snap.uptime_s)}")
+    if snap.units_note:
+        out.append(f"units    {snap.units_note}")
     t = snap.traffic
     out.append(f"traffic  {num(t.req_per_s)} req/s  prompt {num(t.prompt_tps, '{:.0f}')} tok/s  "
-               f"gen {num(t.gen_tps, '{:.0f}')} tok/s  running {num(t.running, '{:.0f}')}  "
+               f"gen {num(t.gen_tps, '{:.0f}')} tok/s  errors {num(t.errors_per_s, '{:.2f}')}/s  "
+               f"migrations {num(t.migrations_per_s, '{:.2f}')}/s  running {num(t.running, '{:.0f}')}  "
                f"waiting {num(t.waiting, '{:.0f}')}   (window {snap.window_s:.1f}s)")
     p = snap.proxy
     slo = "" if is_na(snap.slo_ttft_s) else f"  SLO {secs(snap.slo_ttft_s)}"
     out.append(f"TTFT     p50 {secs(p.ttft_p50_s)}  p95 {secs(p.ttft_p95_s)}{slo}   "
                f"PD skipped: {skipped_text(p.pd_skipped)}  retries {num(p.retries_per_s, '{:.2f}')}/s")
+    slo = "" if is_na(snap.slo_tpot_s) else f"  SLO {secs(snap.slo_tpot_s)}"
+    out.append(f"TPOT     p50 {secs(snap.tpot_p50_s)}  p95 {secs(snap.tpot_p95_s)}{slo}")
     mix = p.decisions
     why = f" ({mix.aggregated.reason})" if is_na(mix.aggregated) else f"   ({mix.decided:.0f} in the window)"
     out.append(f"decisions {decisions_text(mix)}{why}")
     k, lay = snap.kv, snap.kv_layers
-    out.append(f"KV hit   engine {pct(lay.engine_local)}  connector {pct(lay.connector)}  "
+    out.append(f"KV       prefill saved {pct(lay.prefill_saved)}   hit: engine {pct(lay.engine_local)}  "
+               f"connector {pct(lay.connector)}  "
                f"kv-server {pct(lay.kv_server)}   L1 {gib(k.l1_used_bytes)}/{gib(k.l1_total_bytes)} "
                f"({pct(k.l1_usage)})  evictions {num(k.evictions_per_s, '{:.1f}')}/s")
     out.append("")

@@ -11,7 +11,7 @@ Each mode runs in its own process for ``--seconds`` at 1 Hz, and reports its own
 plus children such as systemctl) as a share of one core:
   (a) collector alone                       target <= 1 % of one core
   (b) collector + TUI (headless)            target <= 1.5x (c)
-  (c) bare Textual app drawing the same tables and sparklines with random numbers
+  (c) bare Textual app drawing the same widgets (charts, metric rows, tables, sparklines) with random numbers
 plus the GPU sample cost per GPU (twin sampler; NVML when this host has it).
 
     python benchmarks/collector_cost.py [--seconds 20]
@@ -72,6 +72,16 @@ def serve(ports_file: str, state_dir: str) -> None:
         for le, frac in (("0.1", 0.2), ("0.25", 0.6), ("0.5", 0.9), ("1.0", 0.97), ("2.5", 1.0), ("+Inf", 1.0)):
             lines.append(f'pdctl_proxy_ttft_seconds_bucket{{le="{le}"}} {int(n * frac)}')
         lines += [f"pdctl_proxy_ttft_seconds_count {n}", f"pdctl_proxy_ttft_seconds_sum {0.3 * n}"]
+        # the per-request decision and the legs per backend, as today's proxy exposes them
+        lines += ["# TYPE pdctl_proxy_decisions_total counter",
+                  f'pdctl_proxy_decisions_total{{kind="aggregate",reason="few_uncached"}} {int(0.8 * n)}',
+                  f'pdctl_proxy_decisions_total{{kind="split",reason="long_uncached"}} {int(0.2 * n)}',
+                  "# TYPE pdctl_proxy_legs_total counter", "# TYPE pdctl_proxy_legs_inflight gauge"]
+        for i in range(N_GPUS):
+            b = ("prefill" if i < 2 else "decode") + f"-{i if i < 2 else i - 2}"
+            for leg, share in (("full", 0.1), ("prefill", 0.05 if i < 2 else 0), ("decode", 0.05 if i >= 2 else 0)):
+                lines += [f'pdctl_proxy_legs_total{{backend="{b}",leg="{leg}"}} {int(share * n)}',
+                          f'pdctl_proxy_legs_inflight{{backend="{b}",leg="{leg}"}} {i % 3}']
         return "\n".join(lines) + "\n"
 
     def handler(kind: str):
@@ -192,51 +202,90 @@ def measure_app(app, seconds: float, after=None) -> dict:
 
 
 def bare_app():
-    """A Textual app of the same size: two tables (8 + 10 rows), three text panels, a sparkline, 1 Hz."""
+    """A Textual app drawing what the dashboard draws (160x48), with random numbers at 1 Hz: two header lines;
+    a summary row of a two-chart latency panel (p50/p95 block columns over the widget's size) and two panels
+    of 5-6 metric rows with sparklines; the decision line; a roles table (10 rows x 11 columns) and a GPU
+    table (8 rows x 7 columns, a 20-cell sparkline per row); the footer."""
+    from rich.console import Group
+    from rich.text import Text
     from textual.app import App, ComposeResult
     from textual.containers import Horizontal
-    from textual.widgets import DataTable, Footer, Sparkline, Static
+    from textual.widget import Widget
+    from textual.widgets import DataTable, Footer, RichLog, Static
+
+    blocks = " ▁▂▃▄▅▆▇█"
+    rnd = random.random
+
+    def spark(width: int) -> Text:
+        return Text("".join(blocks[1 + int(rnd() * 8)] for _ in range(width)), style="cyan")
+
+    class Charts(Widget):
+        def render(self):
+            w, h = self.size.width, self.size.height
+            rows = []
+            for _ in range(h):
+                t = Text("  1.2s┤")
+                for _ in range(max(0, w - 7)):
+                    t.append(blocks[int(rnd() * 9)], style="cyan" if rnd() < 0.5 else "blue")
+                rows.append(t)
+            return Group(*rows)
+
+    class Metrics(Widget):
+        def __init__(self, n: int, **kw):
+            super().__init__(**kw)
+            self.n = n
+
+        def render(self):
+            w = self.size.width
+            return Group(*(Text(f"metric{i} {rnd() * 100:6.1f} ").append_text(spark(max(0, w - 16)))
+                           for i in range(self.n)))
 
     class Bare(App):
+        CSS = ("#s { height: 1fr; } Charts { width: 1fr; } Metrics { width: 34; } "
+               "DataTable { height: auto; } RichLog { display: none; }")
+
         def compose(self) -> ComposeResult:
             yield Static(id="t")
+            yield Static(id="w")
             with Horizontal(id="s"):
-                yield Sparkline([], id="spark")
-                yield Static(id="kv")
-                yield Static(id="tr")
+                yield Charts(id="lat")
+                yield Metrics(5, id="tr")
+                yield Metrics(6, id="kv")
+            yield Static(id="d")
             yield DataTable(id="roles")
             yield DataTable(id="gpus")
+            yield RichLog(id="logs")
             yield Footer()
 
         def on_mount(self) -> None:
-            self.query_one("#s").styles.height = 7
             r, g = self.query_one("#roles", DataTable), self.query_one("#gpus", DataTable)
-            for c in ("instance", "unit", "health", "rst", "rw", "kv", "breaker", "status"):
+            self.rcols = ("instance", "role", "unit", "health", "rst", "rw", "kv", "breaker", "legs", "gpu", "status")
+            self.gcols = ("gpu", "role", "util", "util_h", "mem", "temp", "power")
+            for c in self.rcols:
                 r.add_column(c, key=c)
-            for c in ("gpu", "role", "util", "mem", "temp", "power"):
+            for c in self.gcols:
                 g.add_column(c, key=c)
             for i in range(10):
-                r.add_row(*["-"] * 8, key=f"u{i}")
+                r.add_row(*["-"] * len(self.rcols), key=f"u{i}")
             for i in range(N_GPUS):
-                g.add_row(*["-"] * 6, key=f"g{i}")
-            self.hist: list[float] = []
+                g.add_row(*["-"] * len(self.gcols), key=f"g{i}")
             self.tick()
 
         def tick(self) -> None:
-            rnd = random.random
-            self.hist = (self.hist + [rnd()])[-120:]
             with self.batch_update():
                 self.query_one("#t", Static).update(f"bare · {rnd():.3f}")
-                self.query_one("#spark", Sparkline).data = list(self.hist)
-                self.query_one("#kv", Static).update("\n".join(f"k{i} {rnd():.0%}" for i in range(5)))
-                self.query_one("#tr", Static).update("\n".join(f"t{i} {rnd() * 100:.1f}" for i in range(5)))
+                self.query_one("#w", Static).update(f"READY · {rnd():.3f}")
+                self.query_one("#d", Static).update(f"decisions {rnd():.0%} aggregated, {rnd():.0%} split")
+                for sel in ("#lat", "#tr", "#kv"):
+                    self.query_one(sel).refresh()
                 r, g = self.query_one("#roles", DataTable), self.query_one("#gpus", DataTable)
                 for i in range(10):
-                    for c in ("unit", "health", "rst", "rw", "kv", "breaker", "status"):
+                    for c in self.rcols[2:]:
                         r.update_cell(f"u{i}", c, f"{rnd():.2f}", update_width=False)
                 for i in range(N_GPUS):
                     for c in ("util", "mem", "temp", "power"):
                         g.update_cell(f"g{i}", c, "█" * int(rnd() * 8) + f" {rnd():.0%}", update_width=False)
+                    g.update_cell(f"g{i}", "util_h", spark(20), update_width=False)
             self.set_timer(1.0, self.tick)
 
     return Bare()

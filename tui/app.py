@@ -1,5 +1,10 @@
 """The Textual app: polls a snapshot source off the UI thread, renders panels, offers unit actions.
 
+Layout (app.tcss, responsive through the screen's width/height breakpoint classes): a header (plan, GPUs,
+model, uptime; the state and the one reason that matters), a summary row whose height is what the tables
+leave (latency charts, throughput, KV with prefill saved first), the decision mix, the roles table and the
+per-GPU table (each as tall as its rows), the journal pane on ``l``. Enter on a role opens its detail.
+
 Loop (dolphie's): a thread worker reads ``source.latest()``; on success the UI thread renders and
 re-arms a one-shot timer, so polls never overlap or pile up. The source is anything with ``latest()``
 (the Collector, or a scripted source in tests). Unit actions and the journal are injected callables,
@@ -18,21 +23,24 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.css.query import NoMatches
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal
 from textual.widgets import DataTable, Footer, RichLog, Static
 from textual.worker import Worker, WorkerState
 
 from appliance import constants as C
 from appliance.actions import ActionResult, run_unit_action
 from appliance.collector.snapshot import Snapshot
-from appliance.inventory import is_na
 from appliance.status import na_notes
 
 from .panels import fleet as fleet_panel
 from .panels import header as header_panel
 from .panels import summary, tables
-from .widgets.chart import Chart
+from .widgets.detail import Detail
 from .widgets.dialogs import Confirm, Help
+from .widgets.latency import LatencyPanel
+from .widgets.rows import RowsPanel
+
+ALL_UNITS = "*"                  # the journal's unit filter: every unit of the box
 
 
 class SnapshotSource(Protocol):
@@ -44,9 +52,11 @@ class FleetSource(Protocol):
 
 
 def journal_logs(unit: str, after_cursor: str) -> tuple[list, str, str]:
-    """Default log source: (lines, last cursor, error) from journalctl for one unit."""
+    """Default log source: (lines, last cursor, error) from journalctl for one unit (ALL_UNITS: every pd
+    unit)."""
     from appliance import journal
-    lines, err = journal.read([unit], after_cursor=after_cursor, lines=0 if after_cursor else 200)
+    units = [C.KV_UNIT, C.PROXY_UNIT, "pd-worker@*.service"] if unit == ALL_UNITS else [unit]
+    lines, err = journal.read(units, after_cursor=after_cursor, lines=0 if after_cursor else 200)
     cursor = lines[-1].cursor if lines else after_cursor
     return [ln.render() for ln in lines], cursor, err
 
@@ -54,8 +64,13 @@ def journal_logs(unit: str, after_cursor: str) -> tuple[list, str, str]:
 class PdctlApp(App):
     CSS_PATH = "app.tcss"
     TITLE = "pdctl"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-medium"), (170, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall"), (50, "-taller")]
     BINDINGS = [
+        Binding("enter", "detail", "Detail", show=False),
         Binding("l", "logs", "Logs"),
+        Binding("u", "log_unit(1)", "Next unit"),
+        Binding("a", "log_all", "All units"),
         Binding("r", "restart", "Restart"),
         Binding("s", "stop_start", "Stop/Start"),
         Binding("p", "pause", "Pause"),
@@ -92,14 +107,12 @@ class PdctlApp(App):
         yield Static(id="why")
         if not self.fleet_only:
             with Horizontal(id="summary"):
-                with Vertical(id="ttft", classes="panel"):
-                    yield Static(id="ttft-text")
-                    yield Static(id="decisions")
-                    yield Chart(id="ttft-chart")
-                yield Static(id="kv", classes="panel")
-                yield Static(id="traffic", classes="panel")
+                yield LatencyPanel(id="latency", classes="panel")
+                yield RowsPanel(id="traffic", classes="panel")
+                yield RowsPanel(id="kv", classes="panel")
+            yield Static(id="decisions")
             yield DataTable(id="roles", cursor_type="row", zebra_stripes=False)
-            yield DataTable(id="gpus", cursor_type="row")
+            yield DataTable(id="gpus", cursor_type="none")      # read-only: no row to act on
         if self.fleet is not None:
             if self.fleet_only:               # the fleet is the dashboard: router line, boxes, every reason
                 yield Static(id="fleet-line")
@@ -120,13 +133,17 @@ class PdctlApp(App):
                 self.query_one("#fleet-notes").border_title = "why"
             else:
                 self.query_one("#fleet").border_subtitle = fleet_panel.router_line(None)
+                self.screen.add_class("-fleet")         # the fleet table shares the height (app.tcss)
         if self.fleet_only:
             self._set("#title", fleet_panel.title(None, self.paused))
             self.query_one("#fleet", DataTable).focus()
         else:
-            self.query_one("#ttft").border_title = "TTFT · decisions (proxy)"
-            self.query_one("#kv").border_title = "KV hit rate"
-            self.query_one("#traffic").border_title = "traffic"
+            self.query_one("#latency").border_title = "latency"
+            self.query_one("#kv").border_title = "KV cache"
+            self.query_one("#kv").tooltip = summary.KV_TOOLTIP
+            self.query_one("#latency").tooltip = summary.tooltip("TTFT p50/p95", "TPOT p50/p95", "SLO")
+            self.query_one("#traffic").tooltip = summary.tooltip("req/s", "in / out tok/s", "errors/s", "migr/s")
+            self.query_one("#traffic").border_title = "throughput"
             self.query_one("#roles").border_title = "roles"
             self.query_one("#gpus").border_title = "GPUs"
             self._set("#title", header_panel.title(None, self.paused))
@@ -155,7 +172,7 @@ class PdctlApp(App):
             if event.state == WorkerState.SUCCESS and not self.paused and w.result is not None:
                 self.render_snapshot(w.result)
             elif event.state == WorkerState.ERROR:
-                self.query_one("#why", Static).update(Text(f"snapshot source failed: {w.error}", style="red"))
+                self._set("#why", Text(f"snapshot source failed: {w.error}", style="red"))
             self.set_timer(self.refresh_s, self.poll)
         elif w.group == "fleet" and event.state in (WorkerState.SUCCESS, WorkerState.ERROR):
             if event.state == WorkerState.SUCCESS and not self.paused and w.result is not None:
@@ -178,7 +195,7 @@ class PdctlApp(App):
                 log.write(ln)
             self._log_cursor = cursor
 
-    def _set(self, selector: str, content: Text) -> None:
+    def _set(self, selector: str, content: Any) -> None:
         """Update a Static only when its content changed (a redraw is the TUI's main CPU cost)."""
         try:
             w = self.query_one(selector, Static)
@@ -190,22 +207,33 @@ class PdctlApp(App):
 
     def render_snapshot(self, snap: Snapshot) -> None:
         self.snapshot = snap
+        try:
+            gpus = self.query_one("#gpus", DataTable)
+        except NoMatches:  # torn down (exit, screenshot)
+            return
         with self.batch_update():
             self._set("#title", self._title())
-            self._set("#why", header_panel.why(snap))
-            self._set("#ttft-text", summary.ttft_text(snap))
-            chart = self.query_one("#ttft-chart", Chart)
-            slo = None if is_na(snap.slo_ttft_s) else float(snap.slo_ttft_s)
-            data = snap.history.get("ttft_p95", ())
-            if (chart.data, chart.slo) != (tuple(data), slo):
-                chart.set_data(data, slo)
-            self._set("#kv", summary.kv_text(snap))
-            self._set("#traffic", summary.traffic_text(snap))
+            self._set("#why", header_panel.state_line(snap))
+            self.query_one("#latency", LatencyPanel).set_data(summary.latency_series(snap), snap.interval_s)
+            self.query_one("#kv", RowsPanel).set_rows(summary.kv(snap))
+            self.query_one("#traffic", RowsPanel).set_rows(summary.throughput(snap))
             self._set("#decisions", summary.mix_text(snap))
             tables.render_roles(self.query_one("#roles", DataTable), snap)
-            tables.render_gpus(self.query_one("#gpus", DataTable), snap)
+            gpus.display = bool(snap.gpus)                 # a CPU engine: the header says so, no empty pane
+            self.screen.set_class(not snap.gpus, "-nogpus")
+            if snap.gpus:
+                gpus.border_title = f"GPUs · {snap.gpu_count}x {snap.gpu_model} ({snap.gpu_source})"
+                tables.render_gpus(gpus, snap)
         if self.log_unit and self.query_one("#logs").display:
             self.fetch_logs(self.log_unit, self._log_cursor)
+        if isinstance(self.screen, Detail):
+            self.screen.show(snap)
+            self.screen.fetch()
+
+    def on_resize(self, event: Any) -> None:
+        """Tables pick their columns by width: re-render the last snapshot at the new size."""
+        if self.snapshot is not None and not self.paused:
+            self.call_after_refresh(self.render_snapshot, self.snapshot)
 
     def render_fleet(self, view: Any) -> None:
         if view == self.fleet_view and self.fleet_view is not None:
@@ -225,15 +253,20 @@ class PdctlApp(App):
                 table.border_subtitle = fleet_panel.router_line(view)
             self._set("#title", self._title())
 
-    def _title(self) -> Text:
+    def _title(self) -> Any:
         if self.fleet_only:
             return fleet_panel.title(self.fleet_view, self.paused)
         t = header_panel.title(self.snapshot, self.paused)
         if self.fleet is not None and self.fleet_view is not None:   # the box is also the front node
             v = self.fleet_view
-            t.append(" · fleet ")
-            t.append(f"{fleet_panel.ready_count(v)}/{len(v.boxes)} ready",
-                     style=fleet_panel.STATE_STYLE[fleet_panel.overall(v)])
+            forms = []
+            for f in t.forms:
+                f = f.copy()
+                f.append(" · fleet ")
+                f.append(f"{fleet_panel.ready_count(v)}/{len(v.boxes)} ready",
+                         style=fleet_panel.STATE_STYLE[fleet_panel.overall(v)])
+                forms.append(f)
+            t = summary.Fit(tuple(forms))
         return t
 
     # -- selection and actions -----------------------------------------------------------------------
@@ -260,13 +293,47 @@ class PdctlApp(App):
         unit = self.selected_unit()
         if log.display and unit == self.log_unit:
             log.display = False
+            self.refresh_bindings()
             return
         log.display = True
+        self._show_log(unit)
+        self.refresh_bindings()
+
+    def _log_units(self) -> list[str]:
+        if self.fleet_only:
+            return [C.ROUTER_UNIT]
+        snap = self.snapshot
+        units = [C.KV_UNIT] + ([w.unit for w in snap.workers] if snap else []) + [C.PROXY_UNIT]
+        return [ALL_UNITS] + units
+
+    def _show_log(self, unit: str) -> None:
+        log = self.query_one("#logs", RichLog)
         log.clear()
         self.log_unit, self._log_cursor = unit, ""
-        log.border_title = f"journal: {unit}"
+        name = "all units" if unit == ALL_UNITS else unit
+        log.border_title = f"journal: {name}"
+        log.border_subtitle = "u next unit · a all units · l close"
         if unit:
             self.fetch_logs(unit, "")
+
+    def action_log_unit(self, step: int) -> None:
+        """The journal's unit filter: the next unit of the box (all units, kv, each worker, proxy)."""
+        units = self._log_units()
+        i = units.index(self.log_unit) if self.log_unit in units else 0
+        self._show_log(units[(i + step) % len(units)])
+
+    def action_log_all(self) -> None:
+        self._show_log(ALL_UNITS)
+
+    def action_detail(self) -> None:
+        unit = self.selected_unit()
+        if self.snapshot is None or not unit or self.fleet_only:
+            return
+        self.push_screen(Detail(unit, self.snapshot, self.logs_fn))
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        if event.data_table.id == "roles":
+            self.action_detail()
 
     def _confirm_then(self, verb: str, unit: str) -> None:
         if not unit:
@@ -300,6 +367,11 @@ class PdctlApp(App):
     def check_action(self, action: str, parameters: tuple) -> Optional[bool]:
         if action == "fleet_zoom":           # only where the fleet shares the screen with a local box
             return self.fleet is not None and not self.fleet_only
+        if action in ("log_unit", "log_all"):  # the unit filter acts on the journal pane only
+            try:
+                return bool(self.query_one("#logs").display)
+            except NoMatches:
+                return False
         return True
 
     def action_fleet_zoom(self) -> None:
@@ -307,7 +379,7 @@ class PdctlApp(App):
         if self.fleet is None or self.fleet_only:
             return
         zoomed = self.query_one("#roles").display
-        for sel in ("#summary", "#roles", "#gpus"):
+        for sel in ("#summary", "#decisions", "#roles", "#gpus"):
             self.query_one(sel).display = not zoomed
         fleet = self.query_one("#fleet", DataTable)
         fleet.focus() if zoomed else self.query_one("#roles", DataTable).focus()

@@ -41,7 +41,9 @@ def cmd_tui(args: argparse.Namespace) -> int:
             from appliance.collector import Collector
             plan = V._plan(args.config)
             slo = V._settings_value(args.config, "workload", "ttft_slo_s")
-            collector = Collector(plan, interval=refresh, slo_ttft_s=slo).start()
+            tpot_ms = V._settings_value(args.config, "workload", "tpot_slo_ms")
+            collector = Collector(plan, interval=refresh, slo_ttft_s=slo,
+                                  slo_tpot_s=tpot_ms / 1000.0 if tpot_ms else None).start()
             app = PdctlApp(collector, refresh=refresh, instances=[w.instance for w in plan.workers], fleet=fleet)
         if args.screenshot:
             return screenshot(app, args.screenshot, args.size, args.after)
@@ -88,8 +90,8 @@ def demo_app(stack, refresh: float):
     plan = stack.plan
     sampler = twin_sampler(state_dir=stack.workdir / "run" / "twin", inventory=detect(plan.inventory_source))
     collector = Collector(plan, gpu_sampler=sampler, interval=refresh,
-                          units=NoUnits("pdctl demo: child processes, not systemd units"),
-                          slo_ttft_s=2.0).start()
+                          units=NoUnits("not a systemd host (pdctl demo runs child processes)"),
+                          slo_ttft_s=2.0, slo_tpot_s=0.08).start()
 
     def action(verb: str, unit: str) -> ActionResult:
         return ActionResult(False, (), f"{verb} {unit}: not available in pdctl demo (no systemd); "

@@ -71,7 +71,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_OK if all(b.ready == "ready" for b in fleet.boxes) else EXIT_FAIL
     plan = _plan(args.config)
     slo = _settings_value(args.config, "workload", "ttft_slo_s")
-    snap = collect_once(plan, settle_s=max(0.0, args.window), slo_ttft_s=slo, timeout_s=args.timeout)
+    tpot_ms = _settings_value(args.config, "workload", "tpot_slo_ms")
+    snap = collect_once(plan, settle_s=max(0.0, args.window), slo_ttft_s=slo, timeout_s=args.timeout,
+                        slo_tpot_s=tpot_ms / 1000.0 if tpot_ms else None)
     sys.stdout.write(render_json(snap) + "\n" if args.json else render_text(snap))
     if fleet is not None and not args.json:
         from appliance.fleet.status import render_text as fleet_text

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from typing import Any, Optional, Union
 
 from appliance import constants as C
 from appliance.inventory import NA, is_na
 
+from . import figures as F
 from . import names as N
 from . import routing
+from . import state as S
 from .gpus import GpuSampler, NoGpus, default_sampler
+from .history import History
 from .rates import Window, quantile, ratio, sum_values
+from .saved import prefill_saved
 from .scrape import Fetched, Fetcher, Metrics, parse_json, parse_metrics
 from .snapshot import (GpuProcess, GpuSample, KVLayers, KVServerStatus, ProxyStatus, Snapshot, Traffic,
                        UnitState, WorkerStatus, na_unit)
@@ -29,11 +32,15 @@ from .units import SystemctlUnits, UnitSource
 PROXY_STATUS_PATH = C.BOX_STATUS_PATH     # the proxy's loopback status JSON (backends, breakers, uptime)
 _SLOW_KEYS = ("w_health:", "kv_health", "kv_status")
 BREAKER_BY_VALUE = {0: "closed", 1: "open", 2: "half_open"}   # the proxy's backend_state gauge encoding
-HISTORY_SERIES = ("ttft_p50", "ttft_p95", "kv_hit", "req_per_s", "gen_tps")
+# charted series (tick-aligned, NaN gaps); per GPU also "gpu<i>:util" (0..100) and "gpu<i>:mem" (0..1)
+HISTORY_SERIES = ("ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95", "req_per_s", "prompt_tps", "gen_tps",
+                  "errors_per_s", "migrations_per_s", "prefill_saved", "kv_hit")
 
 # only what a tick reads: every parsed line costs CPU (the engines' own TTFT is not user TTFT under PD)
 _W_LOGICAL = ("running", "waiting", "kv_usage", "prefix_queries", "prefix_hits", "ext_queries", "ext_hits",
-              "prompt_tokens", "gen_tokens", "preemptions")
+              "prompt_tokens", "gen_tokens", "preemptions", "prompt_cached", "itl")
+_W_COUNTERS = ("prefix_queries", "prefix_hits", "ext_queries", "ext_hits", "prompt_tokens", "gen_tokens",
+               "preemptions", "prompt_cached")
 _W_WANTED = N.all_names({k: N.VLLM[k] for k in _W_LOGICAL})
 _K_WANTED = N.all_names(N.LMCACHE)
 _P_WANTED = N.all_names(N.PROXY)
@@ -63,7 +70,7 @@ class Collector:
 
     def __init__(self, plan: Any, gpu_sampler: Optional[GpuSampler] = None, interval: float = 1.0, *,
                  units: Optional[UnitSource] = None, window_s: float = 10.0, timeout_s: float = 0.5,
-                 slo_ttft_s: Optional[float] = None, history_len: int = 120,
+                 slo_ttft_s: Optional[float] = None, slo_tpot_s: Optional[float] = None, history_len: int = 300,
                  units_every: int = 5, units_steady_every: int = 15):
         self.plan = plan
         self.sampler = gpu_sampler if gpu_sampler is not None else default_sampler(plan)
@@ -72,10 +79,9 @@ class Collector:
         self.timeout_s = timeout_s
         self.window = Window(window_s)
         self.slo_ttft_s = slo_ttft_s
-        # per series: the known values of the last ``history_len`` ticks with their tick number, so the
-        # Snapshot's history tuple is one C-level copy instead of a filter over the whole ring each tick
-        self._history_len = history_len
-        self._history = {k: (deque(), deque()) for k in HISTORY_SERIES}      # (tick numbers, values)
+        self.slo_tpot_s = slo_tpot_s
+        self._history = History(history_len)
+        self._legs_exposed: Any = NA("no proxy scrape yet")
         self._fetch = Fetcher(timeout_s)
         self._urls: Optional[dict] = None
         self._urls_plan: Any = None
@@ -174,6 +180,7 @@ class Collector:
         km = self._metrics(got["kv_metrics"], _K_WANTED)
         pm = self._metrics(got["px_metrics"], _P_WANTED)
         self.window.push(now, self._cumulative(wm, km, pm))
+        self._legs_exposed = pm if isinstance(pm, NA) else N.resolve(N.PROXY, "legs", pm.names) is not None
 
         breakers = self._breakers(got["px_status"], pm)
         legs = routing.legs(self.window, pm, self._who, self._wunit)
@@ -184,25 +191,28 @@ class Collector:
         kv = self._kv(got, km, states.get(C.KV_UNIT) or na_unit(C.KV_UNIT, "no state"))
         proxy = self._proxy(got, pm, breakers, proxy_url, states.get(C.PROXY_UNIT) or na_unit(C.PROXY_UNIT, "?"))
         layers = self._layers(workers, kv)
+        errors, migrations = F.proxy_rates(self.window, pm)
         traffic = Traffic(req_per_s=proxy.req_per_s,
                           prompt_tps=sum_values([w.prompt_tps for w in workers]),
                           gen_tps=sum_values([w.gen_tps for w in workers]),
                           running=sum_values([w.running for w in workers]),
-                          waiting=sum_values([w.waiting for w in workers]))
+                          waiting=sum_values([w.waiting for w in workers]),
+                          errors_per_s=errors, migrations_per_s=migrations)
+        tpot50, tpot95 = F.tpot(self.window, wm, self._absent)
         gpu_source, gpus = self._gpus(raw_gpus, states)
-        overall, reasons = self._overall(workers, kv, proxy)
+        overall, reasons = S.overall(workers, kv, proxy)
         self._tick += 1
-        hist_vals = {"ttft_p50": proxy.ttft_p50_s, "ttft_p95": proxy.ttft_p95_s, "kv_hit": layers.kv_server,
-                     "req_per_s": proxy.req_per_s, "gen_tps": traffic.gen_tps}
-        oldest = self._tick - self._history_len            # ticks at or before this left the ring
-        for k, v in hist_vals.items():
-            ticks, vals = self._history[k]
-            if not is_na(v):
-                ticks.append(self._tick)
-                vals.append(float(v))
-            while ticks and ticks[0] <= oldest:
-                ticks.popleft()
-                vals.popleft()
+        hist_vals = {"ttft_p50": proxy.ttft_p50_s, "ttft_p95": proxy.ttft_p95_s, "tpot_p50": tpot50,
+                     "tpot_p95": tpot95, "req_per_s": proxy.req_per_s, "prompt_tps": traffic.prompt_tps,
+                     "gen_tps": traffic.gen_tps, "errors_per_s": errors, "migrations_per_s": migrations,
+                     "prefill_saved": layers.prefill_saved, "kv_hit": layers.kv_server}
+        for g in gpus:
+            hist_vals[f"gpu{g.index}:util"] = g.util_pct
+            hist_vals[f"gpu{g.index}:mem"] = (g.mem_used_bytes / g.mem_total_bytes
+                                              if not is_na(g.mem_used_bytes) and not is_na(g.mem_total_bytes)
+                                              and g.mem_total_bytes else None)
+        self._history.push(hist_vals)
+        model, count = F.gpu_model(self.plan, gpu_source, gpus)
         return Snapshot(
             taken_at=now, tick=self._tick, interval_s=self.interval, window_s=round(self.window.span, 3),
             mode=plan.mode, engine=plan.engine, engine_version=plan.engine_version,
@@ -210,7 +220,10 @@ class Collector:
             uptime_s=proxy.uptime_s, gpu_source=gpu_source, gpus=gpus, workers=workers, kv=kv, proxy=proxy,
             kv_layers=layers, traffic=traffic,
             slo_ttft_s=self.slo_ttft_s if self.slo_ttft_s is not None else NA("no TTFT SLO configured"),
-            history={k: tuple(vals) for k, (_, vals) in self._history.items()})
+            tpot_p50_s=tpot50, tpot_p95_s=tpot95,
+            slo_tpot_s=self.slo_tpot_s if self.slo_tpot_s is not None else NA("no TPOT SLO configured"),
+            family=str((plan.predicted or {}).get("family", "")), gpu_model=model, gpu_count=count,
+            units_note=S.units_note(states), history=self._history.snapshot())
 
     # -- helpers -----------------------------------------------------------------------------------
     def _unit_states(self, got: dict) -> dict:
@@ -248,11 +261,13 @@ class Collector:
         for inst, m in wm.items():
             if isinstance(m, NA):
                 continue
-            for logical in ("prefix_queries", "prefix_hits", "ext_queries", "ext_hits", "prompt_tokens",
-                            "gen_tokens", "preemptions"):
+            for logical in _W_COUNTERS:
                 name = N.resolve(N.VLLM, logical, m.names, ver)
                 if name is not None:
                     vals[f"w:{inst}:{logical}"] = m.total(name, "_total")
+            name = N.resolve(N.VLLM, "itl", m.names, ver)
+            if name is not None:
+                vals[f"w:{inst}:itl"] = m.buckets(name)
         if not isinstance(km, NA):
             vals["up:kv"] = True
             for logical in ("lookup_requested", "lookup_hit", "lookups", "evicted"):
@@ -261,10 +276,18 @@ class Collector:
                     vals[f"kv:{logical}"] = km.total(name, "_total")
         if not isinstance(pm, NA):
             vals["up:px"] = True
-            for logical, suffix in (("requests", "_total"), ("retries", "_total")):
+            name = N.resolve(N.PROXY, "requests", pm.names)
+            if name is not None:
+                req = err = 0.0
+                for lab, v in pm.samples(name, "_total"):
+                    if lab.get("route") != N.CANARY_ROUTE:
+                        req += v
+                        err += v if lab.get("outcome", "ok") not in N.CLIENT_OUTCOMES else 0.0
+                vals["px:requests"], vals["px:errors"] = req, err
+            for logical in ("retries", "migrations"):
                 name = N.resolve(N.PROXY, logical, pm.names)
                 if name is not None:
-                    vals[f"px:{logical}"] = pm.total(name, suffix)
+                    vals[f"px:{logical}"] = pm.total(name, "_total") or 0.0
             name = N.resolve(N.PROXY, "ttft", pm.names)
             if name is not None:
                 vals["px:ttft"] = pm.buckets(name)
@@ -461,9 +484,11 @@ class Collector:
             if not seen:
                 return why if isinstance(why, NA) else NA("no workers in the plan")
             return ratio(hs, qs, f"{label} lookups")
+        legs: Any = self._legs_exposed
         return KVLayers(engine_local=layer("prefix_hits", "prefix_queries", "prefix cache"),
                         connector=layer("ext_hits", "ext_queries", "connector"),
-                        kv_server=kv.hit_rate)
+                        kv_server=kv.hit_rate,
+                        prefill_saved=prefill_saved(self.window, [w.instance for w in workers], legs))
 
     def _gpus(self, raw: Any, states: dict) -> tuple:
         """Per-GPU rows with the owning worker; a GPU process is attributed through its unit's MainPID."""
@@ -488,31 +513,14 @@ class Collector:
                                  processes=procs))
         return getattr(self.sampler, "source", "gpu"), tuple(out)
 
-    @staticmethod
-    def _overall(workers: tuple, kv: KVServerStatus, proxy: ProxyStatus) -> tuple[str, list]:
-        reasons = []
-        if is_na(proxy.health):
-            return "down", [f"proxy: {proxy.health.reason}"]
-        if proxy.ready != "ready":
-            reasons.append(f"proxy {proxy.ready}" if not is_na(proxy.ready) else "proxy readiness unknown")
-        if kv.health != "ok":
-            reasons.append(f"kv server: {kv.health.reason if is_na(kv.health) else kv.health}")
-        for w in workers:
-            if w.health != "ok":
-                reasons.append(f"{w.instance}: {w.health.reason if is_na(w.health) else w.health}")
-            if w.breaker in ("open", "half_open"):
-                reasons.append(f"{w.instance}: breaker {w.breaker}")
-        for st in [kv.state, proxy.state] + [w.state for w in workers]:
-            if st.active in ("failed", "activating", "deactivating") or st.sub == "auto-restart":
-                reasons.append(f"{st.unit}: {st.active}/{st.sub}")
-        return ("ready" if not reasons else "degraded"), reasons
-
 
 def collect_once(plan: Any, gpu_sampler: Optional[GpuSampler] = None, *, units: Optional[UnitSource] = None,
-                 settle_s: float = 0.0, timeout_s: float = 0.5, slo_ttft_s: Optional[float] = None) -> Snapshot:
+                 settle_s: float = 0.0, timeout_s: float = 0.5, slo_ttft_s: Optional[float] = None,
+                 slo_tpot_s: Optional[float] = None) -> Snapshot:
     """One Snapshot without a thread. With ``settle_s`` > 0 two ticks are taken so rates are filled."""
     c = Collector(plan, gpu_sampler if gpu_sampler is not None else None, interval=max(settle_s, 0.1),
-                  units=units, window_s=max(settle_s, 0.1) * 2, timeout_s=timeout_s, slo_ttft_s=slo_ttft_s)
+                  units=units, window_s=max(settle_s, 0.1) * 2, timeout_s=timeout_s, slo_ttft_s=slo_ttft_s,
+                  slo_tpot_s=slo_tpot_s)
     try:
         snap = c.tick()
         if settle_s > 0:

@@ -37,6 +37,10 @@ VLLM: dict[str, tuple[MetricName, ...]] = {
     "preemptions": (MetricName(C.VLLM_PREEMPTIONS, ""),),
     "request_success": (MetricName(C.VLLM_REQUEST_SUCCESS, ""),),
     "ttft": (MetricName(C.VLLM_TTFT, ""),),
+    # time between output tokens, per token (a P leg emits one token and adds nothing; the per-request
+    # TPOT histogram would count a P leg as a 0 s TPOT); renamed in vLLM 0.11
+    "itl": (MetricName(C.VLLM_ITL, "0.11.0"), MetricName("vllm:time_per_output_token_seconds", "", "0.12.0")),
+    "prompt_cached": (MetricName(C.VLLM_PROMPT_CACHED, ""),),     # local + external cached prompt tokens
 }
 
 LMCACHE: dict[str, tuple[MetricName, ...]] = {
@@ -48,6 +52,10 @@ LMCACHE: dict[str, tuple[MetricName, ...]] = {
     "l1_usage_bytes": (MetricName(C.LMC_L1_USAGE_BYTES, "0.5.0"),),
 }
 
+# The proxy's stream migrations (issue 19: a D leg that broke after its first byte continues on another
+# worker): counter {outcome} (ok | failed | refused ...). Owned here until the proxy exposes it.
+PROXY_MIGRATIONS = "pdctl_proxy_migrations"
+
 PROXY: dict[str, tuple[MetricName, ...]] = {
     "ttft": (MetricName(C.PROXY_TTFT, ""),),
     "requests": (MetricName(C.PROXY_REQUESTS, ""),),
@@ -58,8 +66,14 @@ PROXY: dict[str, tuple[MetricName, ...]] = {
     "decisions": (MetricName(C.PROXY_DECISIONS, ""),),
     "legs": (MetricName(C.PROXY_LEGS, ""),),
     "legs_inflight": (MetricName(C.PROXY_LEGS_INFLIGHT, ""),),
+    "migrations": (MetricName(PROXY_MIGRATIONS, ""),),
     "start_time": (MetricName("process_start_time_seconds", ""),),
 }
+
+# request outcomes (label ``outcome`` of the proxy's requests counter) that are not the box's failure:
+# the client's own mistakes and refused keys; every other non-ok outcome counts in errors/s
+CLIENT_OUTCOMES = frozenset({"ok", "client_error", "unauthorized"})
+CANARY_ROUTE = "canary"            # the proxy's own readiness probe: not client traffic
 
 
 def all_names(table: dict[str, tuple[MetricName, ...]]) -> frozenset[str]:

@@ -15,7 +15,7 @@ Num = Union[float, NA]
 Int = Union[int, NA]
 Str = Union[str, NA]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2     # 2: TPOT, errors/s, migrations/s, prefill saved, tick-aligned history (NaN gaps)
 
 
 @dataclass(frozen=True)
@@ -145,19 +145,23 @@ class ProxyStatus:
 
 @dataclass(frozen=True)
 class KVLayers:
-    """Hit rate at the three layers, each over the window (a token-weighted ratio across workers)."""
-    engine_local: Num
-    connector: Num
-    kv_server: Num
+    """Hit rate at the three layers, each over the window (a token-weighted ratio across workers), and the
+    headline: the share of the clients' prompt tokens no engine computed (appliance/collector/saved.py)."""
+    engine_local: Num            # engine prefix cache: Δhits/Δqueries (tokens found in the engine's own GPU cache)
+    connector: Num               # KV connector: Δhits/Δqueries of the tokens the engine asked LMCache for
+    kv_server: Num               # LMCache server: Δhit tokens/Δrequested tokens over every lookup it answered
+    prefill_saved: Num           # Σ cached/Σ prompt tokens per worker, D legs (KV transfers) left out
 
 
 @dataclass(frozen=True)
 class Traffic:
-    req_per_s: Num
+    req_per_s: Num               # client requests through the proxy (its canary left out)
     prompt_tps: Num
     gen_tps: Num
     running: Num
     waiting: Num
+    errors_per_s: Num            # client requests that failed on the box's side (not the client's 4xx)
+    migrations_per_s: Num        # streams moved to another worker mid-answer (proxy, issue 19)
 
 
 @dataclass(frozen=True)
@@ -181,7 +185,15 @@ class Snapshot:
     kv_layers: KVLayers
     traffic: Traffic
     slo_ttft_s: Num
-    history: dict = field(default_factory=dict)   # series name -> tuple of floats (oldest first, NA dropped)
+    tpot_p50_s: Num              # time between output tokens over the window (engines' ITL histograms)
+    tpot_p95_s: Num
+    slo_tpot_s: Num
+    family: str                  # the plan family ("1P3D", "all-both", ...; "" when the plan names none)
+    gpu_model: Str               # "NVIDIA H200" (several kinds: "A + B"); NA with why (CPU engine, no samples)
+    gpu_count: int
+    units_note: str              # "" when unit states come from systemd; else the one reason for every unit
+    # series name -> tuple of floats, oldest first, one value per tick (NaN where NA), newest = this tick
+    history: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> dict:

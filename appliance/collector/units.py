@@ -8,6 +8,7 @@ form is parsed as a fallback for older systemctl.
 from __future__ import annotations
 
 import calendar
+import os
 import shutil
 import subprocess
 import time
@@ -17,6 +18,8 @@ from appliance.inventory import NA
 
 from .snapshot import UnitState, na_unit
 
+SD_BOOTED = "/run/systemd/system"        # sd_booted(3): exists only when systemd is PID 1
+NOT_SYSTEMD = "not a systemd host (PID 1 is not systemd)"
 SHOW_PROPERTIES = ("Id", "LoadState", "ActiveState", "SubState", "NRestarts", "StatusText", "MainPID",
                    "ActiveEnterTimestamp", "Result")
 
@@ -133,6 +136,8 @@ class SystemctlUnits:
         if proc.returncode != 0 and self._unix and "timestamp" in proc.stderr:
             self._unix = False          # systemctl < 248: no --timestamp=; retry with the pretty form
             return self.states(units)
+        if proc.returncode != 0 and not os.path.isdir(SD_BOOTED):
+            return {u: na_unit(u, NOT_SYSTEMD) for u in units}
         if proc.returncode != 0:
             why = (proc.stderr.strip().splitlines() or [f"rc={proc.returncode}"])[-1]
             return {u: na_unit(u, f"systemctl show failed: {why}") for u in units}

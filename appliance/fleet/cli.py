@@ -203,3 +203,5 @@ def register(subparsers) -> None:
                    help="image with vllm and lmcache (default %(default)s; pin a tag in production)")
     p.add_argument("--k8s-version", help="Kubernetes schema version to validate against (default: newest shipped)")
     p.set_defaults(func=_wrap(cmd_export_llmd))
+    from ..monitoring import register_export        # pdctl export prometheus (scrape config + Grafana)
+    register_export(esub)

@@ -326,8 +326,10 @@ def test_prefiltered_parse_gives_the_same_snapshot_as_prometheus_client_on_whole
     b.close()
 
 
-def test_history_keeps_the_known_values_of_the_last_history_len_ticks(stack):
-    """Same as a ring of the last ``history_len`` raw values filtered to the known ones (NA gaps dropped)."""
+def test_history_is_tick_aligned_with_nan_gaps_over_the_last_history_len_ticks(stack):
+    """Same as a ring of the last ``history_len`` raw values with NA as NaN: a gap stays where it was, so a
+    chart's time axis is true (dropping it would slide older samples toward "now")."""
+    import math
     from collections import deque
     plan, ep = stack
     c = collector(plan, history_len=3)
@@ -340,6 +342,10 @@ def test_history_keeps_the_known_values_of_the_last_history_len_ticks(stack):
             ep["px"].routes["/metrics"] = body
         s = c.tick()
         ring.append(s.proxy.req_per_s)
-        assert s.history["req_per_s"] == tuple(float(x) for x in ring if not is_na(x)), i
-    assert is_na(ring[0]) is False and len(s.history["req_per_s"]) == 3
+        got = s.history["req_per_s"]
+        assert len(got) == len(ring), i
+        for h, r in zip(got, ring):
+            assert (math.isnan(h) and is_na(r)) or h == r, (i, got, tuple(ring))
+        assert all(len(v) == len(got) for v in s.history.values()), i    # every series ends at this tick
+    assert len(s.history["req_per_s"]) == 3 and not math.isnan(s.history["req_per_s"][-1])
     c.close()

@@ -97,6 +97,16 @@ def test_collector_reads_the_twin_stack_and_the_proxy(twin_stack):
     assert s.kv.l1_total_bytes > 0 and not is_na(s.kv.l1_usage)
     assert [g.instance for g in s.gpus] == ["prefill-0", "decode-0"] and s.gpus[0].mem_used_bytes > 0
     assert not is_na(s.uptime_s)
+    # issue 20's figures from the live stack: TPOT from the engines' inter-token histograms, prefill saved
+    # (the shared system prompt is reused; the D legs' transfers left out), errors, no migrations metric yet
+    assert not is_na(s.tpot_p95_s) and 0 < s.tpot_p50_s <= s.tpot_p95_s, text
+    assert 0.3 < s.kv_layers.prefill_saved < 1.0, text
+    assert s.kv_layers.prefill_saved < s.kv_layers.connector, text   # transfers count as connector hits only
+    assert s.traffic.errors_per_s == 0.0
+    assert is_na(s.traffic.migrations_per_s) or s.traffic.migrations_per_s >= 0
+    assert s.gpu_model == "NVIDIA H200" and s.gpu_count == 2
+    assert s.units_note == "demo stack: not run by systemd"
+    assert {len(v) for v in s.history.values()} == {2}                # tick-aligned: two ticks, every series
     # the TUI renders the real collector's snapshots (the collector thread as its source)
     import asyncio
 
@@ -114,7 +124,9 @@ def test_collector_reads_the_twin_stack_and_the_proxy(twin_stack):
             assert app.snapshot is not None
             roles = app.query_one("#roles")
             assert str(roles.get_cell("pd-worker@decode-0.service", "breaker")) == "closed"
-            assert "READY" in str(app.query_one("#title").render())
+            why = app.query_one("#why")
+            assert "READY" in why.render_line(0).text
+            assert "no systemd" in app.query_one("#title").render_line(0).text      # said once, in the header
             await pilot.press("l")
             await pilot.pause(0.3)
         c.stop()

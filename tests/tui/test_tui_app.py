@@ -6,11 +6,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tui_scripted import Scripted, degraded, full, with_unit  # noqa: E402
+from tui_scripted import Scripted, degraded, full, shown, with_unit  # noqa: E402
 
 from appliance.actions import ActionResult  # noqa: E402
 from tui.app import PdctlApp  # noqa: E402
-from tui.widgets.chart import render_chart  # noqa: E402
 from tui.widgets.dialogs import Confirm, Help  # noqa: E402
 
 
@@ -41,38 +40,51 @@ async def settle(pilot, n: int = 3) -> None:
 
 async def test_renders_tables_and_header_from_the_snapshot():
     app = make()
-    async with app.run_test(size=(80, 24)) as pilot:
+    async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         assert app.snapshot is not None
-        assert "READY" in str(app.query_one("#title").render())
+        title = shown(app, "#title")
+        assert "1P3D" in title and "4x NVIDIA H200" in title and "deepseek-v2-lite" in title and "up 1h02m" in title
+        assert "READY" in shown(app, "#why")
         assert cell(app, "roles", "pd-worker@decode-1.service", "breaker") == "closed"
         assert cell(app, "roles", "pd-proxy.service", "status") == "ready"
         assert cell(app, "gpus", "gpu2", "role") == "decode-1"
         assert "37%" in cell(app, "gpus", "gpu1", "util")
-        assert "82%" in str(app.query_one("#kv").render())
+        assert "GPUs · 4x NVIDIA H200" in app.query_one("#gpus").border_title
+        kv = shown(app, "#kv")
+        assert kv.splitlines()[0].startswith("prefill saved") and "64%" in kv.splitlines()[0]   # the headline
+        assert "82%" in kv and "engine prefix" in kv and "LMCache conn." in kv
+        lat = shown(app, "#latency")
+        assert "TTFT" in lat and "740ms" in lat and "TPOT" in lat and "34ms" in lat and "SLO" in lat
+        assert "now" in lat                                       # a time axis under the charts
+        tp = shown(app, "#traffic")
+        assert "req/s" in tp and "4.2" in tp and "errors/s" in tp and "migr/s" in tp and "0.20" in tp
 
 
 async def test_na_values_render_as_na_and_say_why():
     app = make([degraded()])
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
-        assert "DEGRADED" in str(app.query_one("#title").render())
-        why = str(app.query_one("#why").render())
-        assert "decode-1: connection refused" in why and "press ?" in why
+        why = shown(app, "#why")
+        assert "DEGRADED" in why and "kv server: connection refused" in why and "press ?" in why
         assert cell(app, "roles", "pd-worker@decode-1.service", "health") == "down"
         assert cell(app, "roles", "pd-worker@decode-1.service", "unit") == "restarting"
         assert cell(app, "roles", "pd-worker@decode-1.service", "rst") == "4"
         assert cell(app, "roles", "pd-worker@decode-1.service", "kv") == "NA"
-        assert cell(app, "roles", "pd-kvcache.service", "unit") == "NA"
-        assert "no GPU samples" in cell(app, "gpus", "none", "role")
-        assert "kv srv  NA" in str(app.query_one("#kv").render())
-        assert "SLO NA" in str(app.query_one("#ttft-text").render())
+        assert cell(app, "roles", "pd-kvcache.service", "health") == "down"
+        assert not app.query_one("#gpus").display                    # no samples: no empty GPU pane
+        assert "4 GPUs (no samples)" in shown(app, "#title")
+        kv = shown(app, "#kv")
+        assert "KV server" in kv and "NA" in kv
+        assert "TTFT" in shown(app, "#latency")
+        assert "migr/s" in shown(app, "#traffic")
         await pilot.press("question_mark")
         await settle(pilot)
         assert isinstance(app.screen, Help)
         text = str(app.screen.query_one("#help-text").render())
         assert "NVML missing: NVIDIA driver not installed" in text
-        assert "systemctl not found" in text
+        assert "kv server: connection refused" in text
+        assert "prefill saved" in text and "TPOT p50/p95" in text    # the numbers are explained
         await pilot.press("escape")
         await settle(pilot)
         assert not isinstance(app.screen, Help)
@@ -85,10 +97,10 @@ async def test_rows_update_in_place_and_pause_freezes_the_view():
         await settle(pilot)
         await pilot.press("down", "down")
         await pilot.pause(0.5)
-        assert app.snapshot is second and "DEGRADED" in str(app.query_one("#title").render())
+        assert app.snapshot is second and "DEGRADED" in shown(app, "#why")
         assert app.query_one("#roles").cursor_row == 2            # update_cell kept the selection
         await pilot.press("p")
-        assert app.paused and "PAUSED" in str(app.query_one("#title").render())
+        assert app.paused and "PAUSED" in shown(app, "#title")
         calls = app.source.calls
         await pilot.pause(0.5)
         assert app.source.calls > calls                           # still polling, not rendering
@@ -181,7 +193,7 @@ async def test_no_snapshot_yet_and_quit():
     app = PdctlApp(Empty(), refresh=3600)
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
-        assert "waiting for the first sample" in str(app.query_one("#title").render())
+        assert "waiting for the first sample" in shown(app, "#title")
         await pilot.press("r")                                    # nothing selected: warn, no dialog
         await settle(pilot)
         assert not isinstance(app.screen, Confirm)
@@ -190,14 +202,21 @@ async def test_no_snapshot_yet_and_quit():
     assert app.return_code == 0
 
 
-def test_chart_draws_the_slo_line_and_marks_samples_over_it():
-    t = render_chart([0.5, 3.0], width=4, height=4, slo=2.0)
-    rows = t.plain.split("\n")
-    assert len(rows) == 4 and all(len(r) == 4 for r in rows)
-    assert "┈" in rows[1]                                        # SLO at 2.0 of a 3.0 top: second row
-    assert rows[-1][-1] == "█"
-    over = [s for s in t.spans if str(s.style) == "red"]
-    assert over                                                   # the 3.0 sample is drawn red
+def test_chart_has_a_scale_a_labelled_slo_line_a_time_axis_and_gaps():
+    from tui.widgets.chart import render_chart, short_secs
+    nan = float("nan")
+    p95 = [0.5] * 50 + [3.0] + [nan] * 9 + [0.5] * 60                  # 120 ticks: a spike, a 9 s gap
+    rows = render_chart([0.3] * 120, p95, width=66, height=6, slo=2.0, fmt=short_secs, step_s=1.0)
+    plain = [r.plain for r in rows]
+    assert len(rows) == 6 and all(len(r) == 66 for r in plain)
+    assert plain[0].startswith("   5s┤")                                # top of the scale: nice_top(3.0)
+    slo = next(i for i, r in enumerate(plain) if r.startswith("  SLO┤"))
+    assert "┈" in plain[slo] and plain[4].startswith("    0┤")
+    assert plain[-1].strip().startswith("-2m") and plain[-1].rstrip().endswith("now")   # 60 columns x 2 ticks
+    over = [sp for r in rows for sp in r.spans if "red" in str(sp.style)]
+    assert over                                                           # the 3.0 sample is drawn red
+    bottom = plain[4][6:]
+    assert bottom.count(" ") >= 4                                          # the gap is a gap, not a zero
 
 
 def line(app: PdctlApp, selector: str) -> str:
@@ -209,22 +228,23 @@ async def test_decision_mix_and_legs_fit_80x24_and_grow_with_the_terminal():
     app = make()
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
-        assert line(app, "#decisions") == "agg 82% split 18% · few_uncac…"      # shares first: only reasons cut
+        assert line(app, "#decisions") == ("agg 82% (few_uncached 80%, prefill_backlog 2%) split 18% "
+                                           "(long_uncached 18%)")
         assert cell(app, "roles", "pd-worker@prefill-0.service", "legs") == "F0 P2 D0"
         assert cell(app, "roles", "pd-worker@decode-2.service", "legs") == "F1 P0 D2"
         assert cell(app, "roles", "pd-proxy.service", "legs") == ""
         await pilot.resize_terminal(160, 48)                                 # no new snapshot needed
         await settle(pilot)
-        assert line(app, "#decisions") == ("agg 82% (few_uncached 80%, prefill_backlog 2%) "
-                                           "split 18% (long_uncached 18%)")
-        assert app.query_one("#ttft-chart").region.height == 3               # the line took one chart row
+        assert line(app, "#decisions") == ("decisions 82% aggregated (few_uncached 80%, prefill_backlog 2%), "
+                                           "18% split (long_uncached 18%)  (120 in 10s)")
+        assert cell(app, "roles", "pd-worker@decode-2.service", "role") == "decode"   # wider: more columns
 
 
 async def test_an_older_proxy_shows_na_with_why_for_the_mix_and_the_legs():
     app = make([degraded()])
     async with app.run_test(size=(160, 48)) as pilot:
         await settle(pilot)
-        assert line(app, "#decisions").startswith("NA · proxy exposes no pdctl_proxy_decisions_total")
+        assert line(app, "#decisions").startswith("decisions NA · proxy exposes no pdctl_proxy_decisions_total")
         assert cell(app, "roles", "pd-worker@decode-0.service", "legs") == "NA"
         await pilot.press("question_mark")
         await settle(pilot)
@@ -239,13 +259,14 @@ def test_mix_forms_longest_that_fits_first():
     from tui.panels.summary import mix_text
     fit = mix_text(full(4))
     full_line = "82% aggregated (few_uncached 80%, prefill_backlog 2%), 18% split (long_uncached 18%)"
-    assert fit.pick(200).plain == full_line and fit.pick(len(full_line)).plain == full_line
+    assert fit.pick(200).plain == "decisions " + full_line + "  (120 in 10s)"
+    assert fit.pick(len(full_line)).plain == full_line
     assert fit.pick(len(full_line) - 1).plain.startswith("agg 82% (few_uncached 80%")
-    assert fit.pick(10).plain.startswith("agg 82% split 18% · few_uncached 80%")   # cut at render
+    assert fit.pick(40).plain == "agg 82% split 18%"                  # the shares always fit, never cut
     snap = full(4)
     idle = replace(snap, proxy=replace(snap.proxy, decisions=DecisionMix(0.0, NA("no decisions in the window"),
                                                                          NA("no decisions in the window"), ())))
-    assert mix_text(idle).pick(80).plain == "NA · no decisions in the window"
+    assert mix_text(idle).pick(80).plain == "decisions NA · no decisions in the window"
 
 
 def test_plan_shape_counts_workers_that_serve_either_leg():

@@ -54,19 +54,32 @@ def full(n_gpus: int = 4, **over) -> Snapshot:
                         pd_skipped=(("short_prompt", 3.0), ("prefix_cached", 5.0)), retries_per_s=0.0,
                         breakers=tuple((w.instance, "closed") for w in workers), uptime_s=3725.0, decisions=MIX,
                         state=unit("pd-proxy.service"))
-    hist = tuple(0.4 + 0.3 * ((i * 7) % 11) / 10 + (1.6 if i in (40, 41, 42) else 0.0) for i in range(120))
+    hist = tuple(0.4 + 0.3 * ((i * 7) % 11) / 10 + (1.6 if i in (40, 41, 42) else 0.0) for i in range(300))
+    p50 = tuple(0.6 * v for v in hist)
+    tpot = tuple(0.020 + 0.01 * ((i * 5) % 7) / 6 + (0.07 if i in (200, 201) else 0.0) for i in range(300))
+    wave = tuple(4.0 + 1.5 * ((i * 3) % 13) / 12 for i in range(300))
+    history = {"ttft_p50": p50, "ttft_p95": hist, "tpot_p50": tuple(0.7 * v for v in tpot), "tpot_p95": tpot,
+               "req_per_s": wave, "prompt_tps": tuple(5000 * v for v in wave),
+               "gen_tps": tuple(300 * v for v in wave), "errors_per_s": (0.0,) * 300,
+               "migrations_per_s": (0.0,) * 290 + (0.2,) * 10, "prefill_saved": (0.64,) * 300,
+               "kv_hit": (0.8,) * 300}
+    for g in gpus:
+        history[f"gpu{g.index}:util"] = tuple(20.0 + (g.index * 11 + i * 7) % 70 for i in range(300))
+        history[f"gpu{g.index}:mem"] = tuple(0.4 + 0.003 * (i % 100) for i in range(300))
     snap = dict(taken_at=T0, tick=42, interval_s=1.0, window_s=10.0, mode="disaggregated", engine="vllm",
                 engine_version="0.33.0", model="deepseek-v2-lite", overall="ready", overall_reasons=(),
                 uptime_s=3725.0, gpu_source="nvml", gpus=gpus, workers=tuple(workers), kv=kv, proxy=proxy,
-                kv_layers=KVLayers(engine_local=0.31, connector=0.72, kv_server=0.82),
-                traffic=Traffic(req_per_s=4.2, prompt_tps=21000.0, gen_tps=1240.0, running=12.0, waiting=2.0),
-                slo_ttft_s=2.0, history={"ttft_p50": hist, "ttft_p95": hist, "kv_hit": (0.8,) * 10})
+                kv_layers=KVLayers(engine_local=0.31, connector=0.72, kv_server=0.82, prefill_saved=0.64),
+                traffic=Traffic(req_per_s=4.2, prompt_tps=21000.0, gen_tps=1240.0, running=12.0, waiting=2.0,
+                                errors_per_s=0.0, migrations_per_s=0.2),
+                slo_ttft_s=2.0, tpot_p50_s=0.021, tpot_p95_s=0.034, slo_tpot_s=0.08, family="", gpu_model="NVIDIA H200",
+                gpu_count=len(gpus), units_note="", history=history)
     snap.update(over)
     return Snapshot(**snap)
 
 
 def degraded() -> Snapshot:
-    """NVML missing, decode-1 down and restarting, KV server metrics absent, SLO not configured, a proxy
+    """NVML missing, decode-1 down and restarting, the KV server down, SLO not configured, a proxy
     older than the per-request decision (no decision or leg metrics)."""
     from dataclasses import replace
     s = full(4)
@@ -78,17 +91,67 @@ def degraded() -> Snapshot:
                         local_hit_rate=NA("down"), external_hit_rate=NA("down"), breaker="open",
                         legs_inflight=old, legs_per_s=old,
                         state=unit("pd-worker@decode-1.service", "activating", "auto-restart", 4, "loading"))
-    kv = KVServerStatus(url=s.kv.url, unit=s.kv.unit, health="ok", hit_rate=NA("metric absent in this version"),
-                        l1_used_bytes=NA("no /status"), l1_total_bytes=NA("no /status"), l1_usage=NA("no /status"),
-                        evictions_per_s=NA("metric absent"), evicted_chunks=NA("metric absent"),
-                        lookups_per_s=NA("metric absent"), active_sessions=NA("no /status"),
-                        state=na_unit("pd-kvcache.service", "systemctl not found (not a systemd host)"))
-    return full(4, overall="degraded", overall_reasons=("decode-1: connection refused (not listening)",
+    kv_down = NA("http://127.0.0.1:6080/metrics: connection refused (not listening)")
+    kv = KVServerStatus(url=s.kv.url, unit=s.kv.unit, health=NA("connection refused (not listening)"),
+                        hit_rate=kv_down, l1_used_bytes=kv_down, l1_total_bytes=400.0 * GiB, l1_usage=kv_down,
+                        evictions_per_s=kv_down, evicted_chunks=kv_down, lookups_per_s=kv_down,
+                        active_sessions=kv_down,
+                        state=unit("pd-kvcache.service", "activating", "auto-restart", 2, ""))
+    hist = dict(s.history)
+    hist["ttft_p95"] = hist["ttft_p95"][:-20] + (float("nan"),) * 20        # the last 20 s: no samples
+    return full(4, overall="degraded", overall_reasons=("kv server: connection refused (not listening)",
+                                                         "decode-1: connection refused (not listening)",
                                                          "decode-1: breaker open"),
                 gpu_source=NA("NVML missing: NVIDIA driver not installed"), gpus=(), workers=tuple(workers),
+                gpu_model=NA("NVML missing: NVIDIA driver not installed"), gpu_count=4,
                 proxy=replace(s.proxy, decisions=DecisionMix.na(OLD_PROXY)),
-                kv=kv, kv_layers=KVLayers(engine_local=0.3, connector=0.66, kv_server=NA("metric absent")),
-                slo_ttft_s=NA("no TTFT SLO configured"))
+                kv=kv, kv_layers=KVLayers(engine_local=0.3, connector=0.66, kv_server=kv_down,
+                                          prefill_saved=NA(OLD_PROXY)),
+                traffic=replace(s.traffic, errors_per_s=0.35, migrations_per_s=NA("proxy does not expose migrations")),
+                slo_ttft_s=NA("no TTFT SLO configured"), history=hist)
+
+
+LOADING = "loading model weights (3/8 shards, 41 s)"
+
+
+def loading() -> Snapshot:
+    """A box coming up: units activating with the launcher's STATUS=, engines not answering yet, the proxy
+    waiting for its canary; a few seconds of history."""
+    from dataclasses import replace
+    s = full(4)
+    starting = "starting (no answer yet)"
+    workers = tuple(replace(w, health=starting, running=NA("starting"), waiting=NA("starting"),
+                            kv_usage=NA("starting"), local_hit_rate=NA("starting"), external_hit_rate=NA("starting"),
+                            breaker="closed", legs_inflight=LegCounts(0.0, 0.0, 0.0),
+                            state=unit(w.unit, "activating", "start", 0, LOADING))
+                    for w in s.workers)
+    idle = NA("no requests in the window")
+    hist = {k: (float("nan"),) * 5 for k in s.history}
+    return full(4, overall="starting", overall_reasons=tuple(f"{w.instance}: starting ({LOADING})" for w in workers)
+                + ("proxy not ready (HTTP 503: waiting for workers)",),
+                workers=workers, uptime_s=12.0,
+                proxy=replace(s.proxy, ready="not ready (HTTP 503: waiting for workers)", req_per_s=0.0,
+                              ttft_p50_s=idle, ttft_p95_s=idle, uptime_s=12.0,
+                              decisions=DecisionMix(0.0, NA("no decisions in the window"),
+                                                    NA("no decisions in the window"), ())),
+                kv_layers=KVLayers(engine_local=NA("starting"), connector=NA("starting"), kv_server=NA("no lookups"),
+                                   prefill_saved=NA("no prompt tokens in the window")),
+                traffic=Traffic(0.0, 0.0, 0.0, NA("starting"), NA("starting"), 0.0, 0.0),
+                tpot_p50_s=idle, tpot_p95_s=idle, history=hist)
+
+
+DEMO_UNITS = "not a systemd host (pdctl demo runs child processes)"
+
+
+def demo() -> Snapshot:
+    """``pdctl demo``: twin engines as child processes (no systemd), twin GPUs, soft roles."""
+    from dataclasses import replace
+    s = full(4)
+    workers = tuple(replace(w, state=na_unit(w.unit, DEMO_UNITS)) for w in s.workers)
+    return replace(s, engine="twin", engine_version="0.33.0", model="llama-3.1-8b", family="1P3D",
+                   gpu_source="twin", units_note=DEMO_UNITS, workers=workers,
+                   kv=replace(s.kv, state=na_unit(s.kv.unit, DEMO_UNITS)),
+                   proxy=replace(s.proxy, state=na_unit(s.proxy.unit, DEMO_UNITS)))
 
 
 class Scripted:
@@ -110,3 +173,9 @@ def with_unit(snap: Snapshot, instance: str, active: str, sub: str) -> Snapshot:
     workers = tuple(replace(w, state=unit(w.unit, active, sub)) if w.instance == instance else w
                     for w in snap.workers)
     return replace(snap, workers=workers)
+
+
+def shown(app, selector: str) -> str:
+    """What a widget shows on screen now, line by line (borders and their titles included)."""
+    w = app.query_one(selector)
+    return "\n".join(w.render_line(y).text.rstrip() for y in range(w.region.height))

@@ -1,4 +1,7 @@
-"""TTFT, KV and traffic panels: headline numbers (and the TTFT chart with its SLO line); the decision mix."""
+"""The summary panels: latency (TTFT, TPOT), throughput, KV (prefill saved first), the decision mix.
+
+Each function turns a Snapshot into something a widget renders; nothing here computes a figure.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,52 +11,64 @@ from rich.text import Text
 
 from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
-from appliance.status import decisions_text, gib, num, pct, secs, share, skipped_text
+from appliance.status import decisions_text, gib, num, pct, share
+
+from ..widgets.latency import Series
+from ..widgets.rows import Row, Rows
 
 
-def _line(t: Text, label: str, value: str, style: str = "bold") -> None:
-    t.no_wrap, t.overflow = True, "ellipsis"
-    if t.plain:
-        t.append("\n")
-    t.append(f"{label} ", style="dim")
-    t.append(value, style="dim" if value == "NA" else style)
+def latency_series(snap: Snapshot) -> tuple:
+    h = snap.history
+    return (Series("TTFT", snap.proxy.ttft_p50_s, snap.proxy.ttft_p95_s, snap.slo_ttft_s,
+                   h.get("ttft_p50", ()), h.get("ttft_p95", ())),
+            Series("TPOT", snap.tpot_p50_s, snap.tpot_p95_s, snap.slo_tpot_s,
+                   h.get("tpot_p50", ()), h.get("tpot_p95", ())))
 
 
-def ttft_text(snap: Snapshot) -> Text:
-    p, slo = snap.proxy, snap.slo_ttft_s
-    t = Text()
-    over = not is_na(slo) and not is_na(p.ttft_p95_s) and p.ttft_p95_s > slo
-    t.append("p50 ", style="dim")
-    t.append(secs(p.ttft_p50_s), style="bold")
-    t.append(" p95 ", style="dim")
-    t.append(secs(p.ttft_p95_s), style="bold red" if over else "bold")
-    t.append(" SLO ", style="dim")
-    t.append(secs(slo), style="yellow")
-    return t
+def _rate(v: Any, fmt: str = "{:.1f}") -> str:
+    return num(v, fmt)
 
 
-def kv_text(snap: Snapshot) -> Text:
+def throughput(snap: Snapshot) -> Rows:
+    t, h = snap.traffic, snap.history
+    err = t.errors_per_s
+    err_style = "bold red" if not is_na(err) and err > 0 else "bold"
+    rows = [Row("req/s", _rate(t.req_per_s), h.get("req_per_s", ())),
+            Row("in tok/s", _rate(t.prompt_tps, "{:.0f}"), h.get("prompt_tps", ())),
+            Row("out tok/s", _rate(t.gen_tps, "{:.0f}"), h.get("gen_tps", ())),
+            Row("errors/s", _rate(err, "{:.2f}"), h.get("errors_per_s", ()), style=err_style,
+                spark_style="red")]
+    mig = t.migrations_per_s
+    rows.append(Row("migr/s", _rate(mig, "{:.2f}"), h.get("migrations_per_s", ()) if not is_na(mig) else ()))
+    return Rows(tuple(rows))
+
+
+def kv(snap: Snapshot) -> Rows:
     lay, k = snap.kv_layers, snap.kv
-    t = Text()
-    _line(t, "engine ", pct(lay.engine_local))
-    _line(t, "connect", pct(lay.connector))
-    _line(t, "kv srv ", pct(lay.kv_server))
-    _line(t, "L1     ", f"{pct(k.l1_usage)}/{gib(k.l1_total_bytes)}" if not is_na(k.l1_usage)
-          else "NA")
-    _line(t, "evict/s", num(k.evictions_per_s))
-    return t
+    l1 = f"{pct(k.l1_usage)} {gib(k.l1_total_bytes)}" if not is_na(k.l1_usage) else "NA"
+    return Rows((Row("prefill saved", pct(lay.prefill_saved), snap.history.get("prefill_saved", ()),
+                     style="bold green", spark_style="green", top=1.0, headline=True),
+                 Row("engine prefix", pct(lay.engine_local)),
+                 Row("LMCache conn.", pct(lay.connector)),
+                 Row("KV server", pct(lay.kv_server), snap.history.get("kv_hit", ()), top=1.0),
+                 Row("L1 used", l1),
+                 Row("evictions/s", num(k.evictions_per_s))))
 
 
-def traffic_text(snap: Snapshot) -> Text:
-    tr, p = snap.traffic, snap.proxy
-    t = Text()
-    _line(t, "req/s  ", num(tr.req_per_s))
-    _line(t, "in  t/s", num(tr.prompt_tps, "{:.0f}"))
-    _line(t, "out t/s", num(tr.gen_tps, "{:.0f}"))
-    _line(t, "retry/s", num(p.retries_per_s, "{:.2f}"))
-    _line(t, "PD skip", skipped_text(p.pd_skipped))
-    return t
+KV_TOOLTIP = ("prefill saved: share of the clients' prompt tokens no engine computed (taken from a cache); "
+              "a split request's D leg loading what its P leg just computed is a transfer, left out\n"
+              "engine prefix: tokens found in each engine's own GPU prefix cache / tokens looked up\n"
+              "LMCache conn.: tokens the engines loaded through the LMCache connector / tokens they asked for\n"
+              "KV server: hit tokens / requested tokens over every lookup the LMCache server answered\n"
+              "L1 used: the KV server's host-RAM cache in use, of its size\n"
+              "all over the last window (deltas between samples, never lifetime totals)")
 
+
+def tooltip(*keys: str) -> str:
+    """The help's one-line explanations of these numbers (panels/glossary.py is their one owner)."""
+    from .glossary import NUMBERS
+    about = dict(NUMBERS)
+    return "\n".join(f"{k}: {about[k]}" for k in keys)
 
 
 @dataclass(frozen=True)
@@ -72,7 +87,7 @@ class Fit:
         yield self.pick(options.max_width)
 
 
-def _form(*parts: tuple) -> Text:
+def form(*parts: tuple) -> Text:
     t = Text(no_wrap=True, overflow="ellipsis")
     for text, style in parts:
         t.append(text, style=style)
@@ -83,10 +98,15 @@ def mix_text(snap: Snapshot) -> Fit:
     """The decision mix: the status line when it fits, else shorter; the aggregated and split shares come
     first in every form, so an ellipsis only ever cuts reasons."""
     mix = snap.proxy.decisions
+    head = ("decisions ", "dim")
     if is_na(mix.aggregated) or is_na(mix.reasons):
         why = mix.aggregated.reason if is_na(mix.aggregated) else mix.reasons.reason
-        return Fit((_form(("NA", "dim"), (f" · {why}", "dim")),))
+        return Fit((form(head, ("NA", "dim"), (f" · {why}", "dim")), form(("NA", "dim"), (f" · {why}", "dim")),
+                    form(head, ("NA (press ? for why)", "dim"))))
     reasons = ", ".join(f"{r.reason} {share(r.share)}" for r in mix.reasons)
-    return Fit((_form((decisions_text(mix), "bold")), _form((decisions_text(mix, short=True), "bold")),
-                _form((f"agg {share(mix.aggregated)} split {share(mix.split)}", "bold"),
-                      (f" · {reasons}" if reasons else "", ""))))
+    n = f"  ({mix.decided:.0f} in {snap.window_s:.0f}s)"
+    return Fit((form(head, (decisions_text(mix), "bold"), (n, "dim")), form(head, (decisions_text(mix), "bold")),
+                form((decisions_text(mix), "bold")), form((decisions_text(mix, short=True), "bold")),
+                form((f"agg {share(mix.aggregated)} split {share(mix.split)}", "bold"),
+                     (f" · {reasons}" if reasons else "", "")),
+                form((f"agg {share(mix.aggregated)} split {share(mix.split)}", "bold"))))

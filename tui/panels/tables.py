@@ -1,4 +1,10 @@
-"""GPU and roles tables: keyed rows updated in place with update_cell (keeps cursor and scroll)."""
+"""Roles and GPU tables: keyed rows updated in place with update_cell (keeps cursor and scroll).
+
+The columns follow the table's width (``columns_for``): at 80 columns the ones an operator needs to act
+(health, restarts, queue, KV, breaker, legs), wider screens add role, GPU, tokens/s, legs/s, STATUS= text
+and history sparklines. Without systemd the unit and restart columns are left out (the header says why
+once) instead of showing NA in every row.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -11,43 +17,68 @@ from appliance.inventory import is_na
 from appliance.status import gib, health_short, legs_text, num, pct, text, unit_text
 
 from ..widgets.bars import bar
+from ..widgets.chart import spark
 
-GPU_COLUMNS = (("gpu", "GPU"), ("role", "role"), ("util", "util"), ("mem", "memory"), ("temp", "temp"),
-               ("power", "power"))
-ROLE_COLUMNS = (("inst", "instance"), ("unit", "unit"), ("health", "health"), ("rst", "rst"),
-                ("rw", "run/wait"), ("kv", "KV"), ("breaker", "breaker"), ("legs", "legs"), ("status", "status"))
+# (key, label, width class from which it shows: 0 narrow, 1 medium >= 110 cols, 2 wide >= 170 cols)
+ROLE_COLUMNS = (("inst", "instance", 0), ("role", "role", 1), ("unit", "unit", 0), ("health", "health", 0),
+                ("rst", "rst", 0), ("rw", "run/wait", 0), ("kv", "KV", 0), ("breaker", "breaker", 0),
+                ("legs", "legs F P D", 0), ("legs_s", "legs/s", 2), ("tps", "tok/s in/out", 2),
+                ("gpu", "GPU", 1), ("status", "status", 1))
+UNIT_KEYS = ("unit", "rst")
+GPU_COLUMNS = (("gpu", "GPU", 0), ("role", "role", 0), ("util", "util", 0), ("util_h", "util history", 1),
+               ("mem", "memory", 0), ("mem_h", "memory history", 2), ("temp", "temp", 0), ("power", "power", 0))
+
+
+def width_class(width: int) -> int:
+    return 2 if width >= 170 else (1 if width >= 110 else 0)
+
+
+def columns_for(table_cols: tuple, width: int, systemd: bool = True) -> tuple:
+    wc = width_class(width)
+    return tuple((k, label) for k, label, cls in table_cols if cls <= wc and (systemd or k not in UNIT_KEYS))
 
 
 def _sync(table: DataTable, rows: list[tuple[str, dict]], columns: tuple) -> None:
-    """Add the columns once, then diff rows by key: rebuild only when the row set changed, otherwise
-    update just the cells whose content changed (an unchanged cell costs no redraw)."""
-    if not table.columns:
+    """Set the columns (again when they changed), then diff rows by key: rebuild only when the row set
+    changed, otherwise update just the cells whose content changed (an unchanged cell costs no redraw)."""
+    keys = tuple(k for k, _ in columns)
+    if getattr(table, "_pdctl_cols", None) != keys:
+        table.clear(columns=True)
         for key, label in columns:
             table.add_column(label, key=key)
+        table._pdctl_cols = keys
+        table._pdctl_cells = {}
     last: dict = getattr(table, "_pdctl_cells", {})
     existing = [str(k.value) for k in table.rows]
     wanted = [k for k, _ in rows]
     if existing != wanted:
+        cursor = table.cursor_row
         table.clear()
         for key, cells in rows:
-            table.add_row(*(cells[c] for c, _ in columns), key=key)
+            table.add_row(*(cells.get(c, "") for c in keys), key=key)
+        if 0 <= cursor < len(rows):
+            table.move_cursor(row=cursor)
     else:
+        cols = table.columns
         for key, cells in rows:
             before = last.get(key, {})
-            for c, _ in columns:
-                if before.get(c) != cells[c]:
-                    table.update_cell(key, c, cells[c], update_width=False)
+            for c in keys:
+                new = cells.get(c, "")
+                if before.get(c) != new:       # widen the column only when the value would not fit (13% after 0%)
+                    n = new.cell_len if isinstance(new, Text) else len(str(new))
+                    table.update_cell(key, c, new, update_width=n > cols[c].content_width)
     table._pdctl_cells = dict(rows)
 
 
 def _health(v: Any) -> Text:
     s = health_short(v)
-    return Text(s, style="green" if s == "ok" else ("dim" if s == "NA" else "bold red"))
+    return Text(s, style="green" if s == "ok" else ("dim" if s == "NA" else "yellow" if s == "starting"
+                                                     else "bold red"))
 
 
 def _unit(st: Any) -> Text:
     s = unit_text(st)
-    style = "green" if s == "active" else ("dim" if s == "NA" else "bold red" if "fail" in s else "yellow")
+    style = "green" if s == "active" else ("dim" if s in ("NA", "-") else "bold red" if "fail" in s else "yellow")
     return Text(s, style=style)
 
 
@@ -62,46 +93,81 @@ def _legs(v: Any) -> Text:
     return Text(s, style="dim" if s == "NA" else "")
 
 
-def gpu_rows(snap: Snapshot) -> list[tuple[str, dict]]:
+def _legs_s(v: Any) -> str:
+    vals = (v.full, v.prefill, v.decode)
+    return "NA" if any(is_na(x) for x in vals) else " ".join(f"{x:.1f}" for x in vals)
+
+
+def _status(v: Any) -> Text:
+    return Text("-", style="dim") if is_na(v) else Text(str(v))
+
+
+def role_rows(snap: Snapshot) -> list[tuple[str, dict]]:
+    k, p = snap.kv, snap.proxy
+    rows = [(k.unit, {"inst": "kvserver", "role": "kv cache", "unit": _unit(k.state), "health": _health(k.health),
+                      "rst": text(k.state.restarts), "rw": num(k.lookups_per_s, "{:.0f} lk/s"), "kv": pct(k.l1_usage),
+                      "breaker": "", "legs": "", "legs_s": "", "tps": "", "gpu": "",
+                      "status": _status(k.state.status_text)})]
+    for w in snap.workers:
+        rw = f"{num(w.running, '{:.0f}')}/{num(w.waiting, '{:.0f}')}"
+        tps = f"{num(w.prompt_tps, '{:.0f}')}/{num(w.gen_tps, '{:.0f}')}"
+        rows.append((w.unit, {"inst": w.instance, "role": w.role, "unit": _unit(w.state), "health": _health(w.health),
+                              "rst": text(w.state.restarts), "rw": rw, "kv": pct(w.kv_usage),
+                              "breaker": _breaker(w.breaker), "legs": _legs(w.legs_inflight),
+                              "legs_s": _legs_s(w.legs_per_s), "tps": tps,
+                              "gpu": ",".join(map(str, w.gpus)) or "cpu", "status": _status(w.state.status_text)}))
+    rows.append((p.unit, {"inst": "proxy", "role": "router", "unit": _unit(p.state), "health": _health(p.health),
+                          "rst": text(p.state.restarts), "rw": f"{num(p.inflight, '{:.0f}')} in",
+                          "kv": "", "breaker": "", "legs": "", "legs_s": "", "tps": "", "gpu": "",
+                          "status": _status(p.ready)}))
+    return rows
+
+
+def gpu_rows(snap: Snapshot, width: int = 80) -> list[tuple[str, dict]]:
+    hist_w = 40 if width >= 170 else 20
     rows = []
     for g in snap.gpus:
         mem_frac = (g.mem_used_bytes / g.mem_total_bytes
                     if not is_na(g.mem_used_bytes) and not is_na(g.mem_total_bytes) and g.mem_total_bytes else
                     g.mem_used_bytes if is_na(g.mem_used_bytes) else g.mem_total_bytes)
+        h = snap.history
+        power = num(g.power_w, "{:.0f}W") + ("" if is_na(g.power_limit_w) else f"/{g.power_limit_w:.0f}")
         rows.append((f"gpu{g.index}", {
             "gpu": str(g.index), "role": g.instance or "-",
             "util": bar(g.util_pct if is_na(g.util_pct) else g.util_pct / 100.0, 8),
+            "util_h": spark(h.get(f"gpu{g.index}:util", ()), hist_w, 100.0, "green"),
             "mem": bar(mem_frac, 8, label=f"{gib(g.mem_used_bytes)}/{gib(g.mem_total_bytes)}"),
-            "temp": num(g.temp_c, "{:.0f}C"), "power": num(g.power_w, "{:.0f}W"),
+            "mem_h": spark(h.get(f"gpu{g.index}:mem", ()), hist_w, 1.0, "bright_blue"),
+            "temp": num(g.temp_c, "{:.0f}C"), "power": power,
         }))
-    if not rows:
-        rows.append(("none", {"gpu": "-", "role": Text("no GPU samples", style="dim"),
-                              "util": Text(text(snap.gpu_source) if not is_na(snap.gpu_source)
-                                           else "NA", style="dim"),
-                              "mem": "", "temp": "", "power": ""}))
-    return rows
-
-
-def role_rows(snap: Snapshot) -> list[tuple[str, dict]]:
-    k, p = snap.kv, snap.proxy
-    rows = [(k.unit, {"inst": "kvserver", "unit": _unit(k.state), "health": _health(k.health),
-                      "rst": text(k.state.restarts), "rw": "", "kv": pct(k.l1_usage), "breaker": "", "legs": "",
-                      "status": text(k.state.status_text)})]
-    for w in snap.workers:
-        rw = f"{num(w.running, '{:.0f}')}/{num(w.waiting, '{:.0f}')}"
-        rows.append((w.unit, {"inst": w.instance, "unit": _unit(w.state), "health": _health(w.health),
-                              "rst": text(w.state.restarts), "rw": rw, "kv": pct(w.kv_usage),
-                              "breaker": _breaker(w.breaker), "legs": _legs(w.legs_inflight),
-                              "status": text(w.state.status_text)}))
-    rows.append((p.unit, {"inst": "proxy", "unit": _unit(p.state), "health": _health(p.health),
-                          "rst": text(p.state.restarts), "rw": f"{num(p.inflight, '{:.0f}')} in",
-                          "kv": "", "breaker": "", "legs": "", "status": text(p.ready)}))
     return rows
 
 
 def render_gpus(table: DataTable, snap: Snapshot) -> None:
-    _sync(table, gpu_rows(snap), GPU_COLUMNS)
+    w = table.app.size.width
+    _sync(table, gpu_rows(snap, w), columns_for(GPU_COLUMNS, w))
+
+
+def _fit_last(rows: list, columns: tuple, width: int) -> tuple:
+    """The last column (free text: STATUS=, readiness) gets what the others leave of ``width``, cut with an
+    ellipsis (the detail view and the header have the whole text); it goes when less than 8 cells remain."""
+    *fixed, (last, _) = columns
+    used = sum(max([len(label)] + [Text(str(c[k])).cell_len if not isinstance(c[k], Text) else c[k].cell_len
+                                   for _, c in rows]) + 2 for k, label in fixed)
+    room = width - 4 - used - 2             # table border, scrollbar, the last column's padding
+    if room < 8:
+        return tuple(fixed)
+    for _, c in rows:
+        t = c[last] if isinstance(c[last], Text) else Text(str(c[last]))
+        if t.cell_len > room:
+            t = t.copy()
+            t.truncate(room, overflow="ellipsis")
+        c[last] = t
+    return columns
 
 
 def render_roles(table: DataTable, snap: Snapshot) -> None:
-    _sync(table, role_rows(snap), ROLE_COLUMNS)
+    w = table.app.size.width
+    rows = role_rows(snap)
+    cols = columns_for(ROLE_COLUMNS, w, systemd=not snap.units_note)
+    _sync(table, rows, _fit_last(rows, cols, w) if cols[-1][0] == "status" else cols)

@@ -4,9 +4,11 @@ from __future__ import annotations
 from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
+
+from ..panels import glossary
 
 
 class Confirm(ModalScreen[bool]):
@@ -36,18 +38,8 @@ class Confirm(ModalScreen[bool]):
         self.dismiss(yes)
 
 
-HELP = """[b]pdctl tui[/b] — keys
-  tab / shift+tab   move between panels
-  ↑ ↓               select a unit in the roles table
-  l                 show/hide the journal of the selected unit
-  r                 restart the selected unit (asks first)
-  s                 stop / start the selected unit (asks first)
-  p                 pause / resume refreshing
-  ?                 this help        q  quit
-"""
-
-
 class Help(ModalScreen[None]):
+    """Every key, what every number counts, and why each NA is NA (scrolls with ↑ ↓ / page keys)."""
     BINDINGS = [Binding("escape", "close", "Close"), Binding("question_mark", "close", "Close"),
                 Binding("q", "close", "Close")]
 
@@ -57,8 +49,11 @@ class Help(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         why = "\n".join(f"  {escape(n)}" for n in self.notes) or "  nothing: every source answered"
-        with Vertical(id="help"):
-            yield Static(HELP + "\n[b]Why values are NA[/b]\n" + why, id="help-text", markup=True)
+        with VerticalScroll(id="help"):
+            yield Static(glossary.markup() + "\n[b]Why values are NA[/b]\n" + why, id="help-text", markup=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#help").focus()
 
     def action_close(self) -> None:
         self.dismiss(None)
