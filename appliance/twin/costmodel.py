@@ -90,6 +90,9 @@ class CostModel:
     cfg: EngineConfig = field(default_factory=EngineConfig)
     params: CostParams = field(default_factory=CostParams)
 
+    def with_params(self, params: CostParams) -> "CostModel":
+        return CostModel(self.hw, self.model, self.cfg, params)
+
     @property
     def arch(self) -> ArchFacts:
         return arch_for(self.model)
