@@ -95,7 +95,7 @@ class Verdict:
         if abs(self.ceiling_err) > CEILING_TOL:
             out.append(f"ceiling {self.ceiling_err:+.0%}")
         if self.knees[0] != self.knees[1]:
-            out.append(f"knee {self.knees[1]} (real {self.knees[0]})")
+            out.append(f"knee {_k(self.knees[1])} (real {_k(self.knees[0])})")
         return out
 
 
@@ -211,6 +211,10 @@ def fit_all() -> dict:
 
 
 # ---- report ---------------------------------------------------------------------------------------------------
+def _k(rate) -> str:
+    return "-" if rate is None else f"{rate:g}"
+
+
 def report(verdicts: list, out=print) -> None:
     out("| case | role | asked | delivered sim / real | TTFT p50 ms sim / real (err) | TPOT p50 ms sim / real (err) |")
     out("|---|---|---|---|---|---|")
@@ -231,7 +235,7 @@ def report(verdicts: list, out=print) -> None:
         rates = ",".join(f"{r:g}" for r in v.compared) or "none"
         miss = v.misses
         out(f"| {v.case.name} | {v.case.role.upper()} | worst {worst:.0%} ({rates}) | {v.ceiling[0]:.2f} / "
-            f"{v.ceiling[1]:.2f} ({v.ceiling_err:+.0%}) | {v.knees[1] or '-'} / {v.knees[0] or '-'} "
+            f"{v.ceiling[1]:.2f} ({v.ceiling_err:+.0%}) | {_k(v.knees[1])} / {_k(v.knees[0])} "
             f"| {'OK' if not miss else 'MISS: ' + '; '.join(miss)} |")
 
 
