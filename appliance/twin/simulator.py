@@ -3,8 +3,10 @@
 Each request follows the seed's path: proxy -> prefiller (``max_tokens=1``; LMCache lookup, load of the
 hit tokens over the host link, prefill in the engine's batch) -> KV store (GPU->host copy, then the
 ``request_store_finished`` notification) -> proxy -> decoder (lookup + load of the whole prompt, one
-token recomputed, decode in the continuous batch) -> client. Engines are ``core.EngineCore`` with the
-same cost model the live twin engine uses.
+token recomputed, decode in the continuous batch) -> client. Engines are ``core.EngineCore`` and a
+request's way in and out is ``kvpath`` (the engine's own prefix cache where the setup has it), the same
+code the live twin engine runs. ``connector=False``: engines without a KV connector (no KV server; a
+decode leg recomputes what its own prefix cache lacks).
 
 Policies:
 - ``round-robin``: the seed's proxy: one global round-robin index picks the prefiller and the decoder;
@@ -16,9 +18,10 @@ Policies:
   With 0 prefillers (pdctl only) every engine is ``both``: it prefills everything it is sent and stores
   the chunks it computed in the KV server, as LMCache's ``kv_both`` role does.
 
-Warm-up like the seed: the shared prefix chunks are in the KV server before the first request.
-Arrivals are Poisson (``vllm bench serve``'s default), the first at t=0. Each rate starts from idle
-engines. Output keys follow ``vllm bench serve`` (``request_throughput`` = completed / duration, the
+Warm-up like the seed: the shared prefix chunks are in the KV server (and in every engine's prefix cache
+where the setup has one) before the first request. Arrivals are Poisson, the first at t=0, drawn exactly as
+``pdctl bench`` draws them (``random.Random(seed + rate index)``), so a simulation with a bench run's seed
+replays its arrival instants. Each rate starts from idle engines. Output keys follow ``vllm bench serve`` (``request_throughput`` = completed / duration, the
 duration ending at the last response, so finite runs read below the steady-state ceiling), plus
 ``kv_hit_rate`` (KV server view: hit / looked-up tokens over all lookups of both legs, like
 ``lmcache_mp_lookup_hit_tokens / ..._requested_tokens``), ``max_concurrent_requests`` (client side),

@@ -141,8 +141,10 @@ async def run_direct(url: str, rate: float, n: int, seed: int, base_k: int, scal
 @pytest.mark.slow
 async def test_live_engine_runs_the_pdctl_setup_like_the_simulator(procs):
     """One kv_both engine with --setup pdctl (H200 fit: CUDA graphs, its own prefix cache, the async connector
-    lookup) against the simulator's prediction for the same arrivals: TTFT and TPOT p50 within 20 %."""
-    scale = 2.0
+    lookup) against the simulator's prediction for the same arrivals: TTFT and TPOT p50 within 20 %. Its steps
+    are ~5 ms of model time, so the engine runs 5x slower than real time (``--time-scale 5``): the event loop's
+    own jitter on a loaded 2-core box then stays a small share of a step (at 2x it read TPOT +36 % once)."""
+    scale = 5.0
     zp, _ = procs.kvserver()
     port, _ = procs.engine("both", zp, "--time-scale", str(scale), "--setup", "pdctl", "--model", LLAMA,
                            hardware="h200")
@@ -150,7 +152,7 @@ async def test_live_engine_runs_the_pdctl_setup_like_the_simulator(procs):
     await run_direct(url, 1.0, 1, 1, 600, scale)                    # warm-up: the shared prefix, as in the sim
     params = CostParams.for_setup("pdctl", "h200")
     results = {}
-    for rate, n, seed, base in ((2.0, 24, 41, 0), (5.0, 40, 42, 100)):
+    for rate, n, seed, base in ((2.0, 16, 41, 0), (5.0, 24, 42, 100)):
         ttft, tpot = await run_direct(url, rate, n, seed, base, scale)
         sim = simulate("h200", LLAMA, 0, 1, WL, [rate], n, "pdctl", seed, params=params)[0]
         results[rate] = (statistics.median(ttft), sim["p50_ttft_ms"] / 1e3,
@@ -160,7 +162,7 @@ async def test_live_engine_runs_the_pdctl_setup_like_the_simulator(procs):
         f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
     hits = next(float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("vllm:prefix_cache_hits_total"))
-    assert hits >= 64 * (WL.prefix_len // 64) * 60                  # every request found the prefix on the GPU
+    assert hits >= 64 * (WL.prefix_len // 64) * 40                  # every request found the prefix on the GPU
     for rate, (live_ttft, sim_ttft, live_tpot, sim_tpot) in results.items():
         assert abs(live_ttft - sim_ttft) / sim_ttft < 0.20, results
         assert abs(live_tpot - sim_tpot) / sim_tpot < 0.20, results
