@@ -32,8 +32,7 @@ from dataclasses import asdict, dataclass, field
 from appliance.models import ModelProfile
 
 from .hardware import Hardware
-from .params import (HARDWARE_FITS, PLAUSIBLE, SETUPS, STEP_OVERHEAD_RANGE, STEP_OVERHEAD_S,  # noqa: F401
-                     STORE_NOTIFY_RANGE, STORE_NOTIFY_S, CostParams, check_plausible)
+from .params import CostParams
 
 
 @dataclass(frozen=True)
