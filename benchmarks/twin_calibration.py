@@ -1,21 +1,32 @@
 #!/usr/bin/env python3
-"""Twin calibration against the seed's published 1P2D table (reference/seed-runbooks.md).
+"""Twin calibration, held out: fit the twin's parameters on some measured runs, check it on the others.
 
-Runs the seed's P50 profile (7869 input = 6000 shared prefix + 1869 unique, 252 output, Poisson, 600
-prompts per rate, prefix warmed) through the simulator for 1 prefiller + 2 decoders, DeepSeek-V2-Lite,
-A100-80GB, round-robin like the seed's proxy, and prints simulated vs published numbers per rate.
+    python benchmarks/twin_calibration.py            # check the shipped parameters on every case
+    python benchmarks/twin_calibration.py --fit      # refit from the fit cases first, print the values, then check
+    python benchmarks/twin_calibration.py --case p95 # only the cases whose name contains "p95"
 
-    python benchmarks/twin_calibration.py          # check the shipped parameters (exit 1 if a target misses)
-    python benchmarks/twin_calibration.py --fit    # redo the fit, print the fitted parameters, then check
-    python benchmarks/twin_calibration.py --target h200 [--fit]   # the real 2x H200 1P1D run (see h200_main)
+The cases and their sources are in ``benchmarks/twin_cases.py``; each is marked FIT (a parameter is pinned on
+it) or CHECK (nothing was fitted on it). For every case and asked rate the simulator runs the same topology,
+workload and prompt count, with the arrival instants of the measured run where it came from ``pdctl bench``.
+Targets, per case:
+- TTFT p50 and TPOT p50 within +-20 % at every rate below saturation. A rate is below saturation when the
+  measured delivered rate is at least 80 % of the asked rate, and so was every lower rate (finite runs drain
+  their last requests, so a stack that keeps up delivers 85-100 % of what was asked);
+- the delivered ceiling (the highest delivered rate of the sweep) within +-15 %;
+- the knee (the first asked rate whose TTFT p50 passes 5 s; "-" when none does) at the same rate.
+Exit status 1 when a case misses a target or a parameter leaves its plausible range.
 
-The published numbers below are the targets; the simulator never reads them. The fit touches three
-parameters, each pinned by one observable, and keeps each inside its plausible range:
-1. step_overhead_s from TPOT p50 at 1 req/s: TPOT = overhead + (weights + batch x context x KV bytes) / (HBM x mem_eff)
-   with the batch from Little's law (1 req/s x E2E / 2 decoders);
-2. mfu by bisection so the mean delivered throughput at 30/50/60 req/s equals the published ceiling;
-3. store_notify_s shifted until the largest under- and over-estimate of TTFT p50 at 1/2/5/10 req/s
-   are equal (minimax; TTFT moves ~1:1 with it at low load).
+How each fitted value is pinned (``--fit`` redoes exactly this; params.py holds the results):
+- A100 (seed table, FIT): step_overhead_s (eager) from TPOT p50 at 1 req/s minus a decode step's memory time
+  (batch from Little's law); mfu = attn_mfu by bisection on the mean delivered at 30/50/60 req/s; store_notify_s
+  minimax on TTFT p50 at 1/2/5/10 req/s.
+- H200 cold probes without the connector (FIT): step_overhead_s (cudagraph) from TPOT at batch 1 minus its
+  memory time; then api_overhead_s, 1/mfu and 1/attn_mfu by least squares on TTFT p50 at 2,000/8,000/16,000
+  tokens (intercept, linear and square term of the prefill); with the connector (FIT): connector_s from the
+  TTFT difference.
+- H200 seed P95 without the connector (FIT): kv_share_reread by bisection on TPOT p50 (12,000 shared tokens).
+- H200 chat with the connector (FIT): connector_seq_s by bisection on TPOT p50.
+- 2x H200 1P1D (FIT): kv_load_s minimax on TTFT p50.
 """
 from __future__ import annotations
 
@@ -23,211 +34,244 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from appliance.models import resolve as resolve_model  # noqa: E402
-from appliance.twin.costmodel import (PLAUSIBLE, STEP_OVERHEAD_RANGE, CostParams,  # noqa: E402
-                                      check_plausible)
+from appliance.twin.costmodel import CostModel, prefill_pairs  # noqa: E402
 from appliance.twin.hardware import resolve as resolve_hw  # noqa: E402
-from appliance.twin.simulator import Workload, simulate  # noqa: E402
+from appliance.twin.params import FITTED_NAMES, PLAUSIBLE, CostParams, check_plausible  # noqa: E402
+from appliance.twin.simulator import simulate  # noqa: E402
+from twin_cases import Case, all_cases, find  # noqa: E402
 
-# asked rate: (delivered, TTFT p50 s, TTFT p95 s, TPOT p50 ms, E2E p50 s) -- seed 1P2D, 3x A100-80GB
-PUBLISHED = {
-    1: (0.98, 0.464, 0.562, 41.3, 10.828),
-    2: (1.93, 0.379, 0.433, 41.2, 10.718),
-    5: (4.60, 0.395, 0.524, 42.8, 11.161),
-    10: (8.47, 0.517, 0.931, 50.9, 13.346),
-    20: (10.72, 7.480, 15.372, 62.0, 23.075),
-    30: (11.17, 10.908, 22.395, 60.4, 26.457),
-    50: (11.06, 15.530, 30.412, 60.0, 30.758),
-    60: (11.21, 16.790, 32.124, 59.6, 31.801),
-}
-CEILING = 11.2
-TTFT_RATES = (1, 2, 5, 10)
-CEILING_RATES = (30, 50, 60)
-WL = Workload(input_len=7869, prefix_len=6000, output_len=252)
+TTFT_TOL, TPOT_TOL, CEILING_TOL, KNEE_S, SAT_SHARE = 0.20, 0.20, 0.15, 5.0, 0.80
 
 
-def run(params: CostParams, rates, num_prompts: int = 600) -> dict:
-    rows = simulate("a100-80gb", "deepseek-v2-lite", 1, 2, WL, rates, num_prompts, "round-robin", 2003,
-                    params=params)
-    return {int(r["request_rate"]): r for r in rows}
+def simulate_case(case: Case, params: CostParams) -> dict:
+    rows = simulate(case.hardware, case.model, case.prefill, case.decode, case.workload, case.rates,
+                    case.num_prompts, case.policy, case.seed, params=params, engine=case.engine,
+                    kv_size_gb=case.kv_size_gb, connector=case.connector)
+    return {float(r["request_rate"]): r for r in rows}
 
 
-def fit(p: CostParams) -> CostParams:
-    hw, m = resolve_hw("a100-80gb"), resolve_model("deepseek-v2-lite")
-    batch = 1.0 * PUBLISHED[1][4] / 2
-    ctx = WL.input_len + WL.output_len / 2
-    mem_s = (m.weights_bytes + batch * ctx * m.kv_bytes_per_token) / (hw.hbm_bytes_per_s * p.mem_eff)
-    p = replace(p, step_overhead_s=round(PUBLISHED[1][3] / 1e3 - mem_s, 4))
-    lo, hi = PLAUSIBLE["mfu"]
-    for _ in range(8):
+def below_saturation(case: Case) -> list:
+    out = []
+    for rate, m in case.measured.items():
+        if m[0] < SAT_SHARE * rate:
+            break
+        out.append(rate)
+    return out
+
+
+def knee(points: dict):
+    return next((rate for rate, ttft_s in points.items() if ttft_s > KNEE_S), None)
+
+
+def err(sim: float, real: float) -> float:
+    return (sim - real) / real
+
+
+@dataclass
+class Verdict:
+    case: Case
+    sim: dict
+    compared: list
+    ttft_err: dict = field(default_factory=dict)
+    tpot_err: dict = field(default_factory=dict)
+    ceiling: tuple = (0.0, 0.0)
+    knees: tuple = (None, None)
+
+    @property
+    def ceiling_err(self) -> float:
+        return err(*self.ceiling)
+
+    @property
+    def misses(self) -> list[str]:
+        out = [f"TTFT p50 at {r:g} req/s {e:+.0%}" for r, e in self.ttft_err.items() if abs(e) > TTFT_TOL]
+        out += [f"TPOT p50 at {r:g} req/s {e:+.0%}" for r, e in self.tpot_err.items() if abs(e) > TPOT_TOL]
+        if abs(self.ceiling_err) > CEILING_TOL:
+            out.append(f"ceiling {self.ceiling_err:+.0%}")
+        if self.knees[0] != self.knees[1]:
+            out.append(f"knee {_k(self.knees[1])} (real {_k(self.knees[0])})")
+        return out
+
+
+def evaluate(case: Case, params: CostParams) -> Verdict:
+    sim = simulate_case(case, params)
+    v = Verdict(case, sim, below_saturation(case))
+    for rate in v.compared:
+        _, t50, _, tpot, _ = case.measured[rate]
+        v.ttft_err[rate] = err(sim[rate]["p50_ttft_ms"] / 1e3, t50)
+        v.tpot_err[rate] = err(sim[rate]["p50_tpot_ms"], tpot)
+    v.ceiling = (max(r["request_throughput"] for r in sim.values()), max(m[0] for m in case.measured.values()))
+    v.knees = (knee({r: m[1] for r, m in case.measured.items()}),
+               knee({r: s["p50_ttft_ms"] / 1e3 for r, s in sim.items()}))
+    return v
+
+
+def shipped(case: Case) -> CostParams:
+    return CostParams.for_setup(case.setup, case.hardware)
+
+
+# ---- fitting (each value pinned by its FIT case, see the module docstring) ----------------------------------
+def _bisect(lo: float, hi: float, too_high, steps: int = 10) -> float:
+    """The value in [lo, hi] where ``too_high(value)`` flips (True: the value is above the target)."""
+    for _ in range(steps):
         mid = (lo + hi) / 2
-        res = run(replace(p, mfu=mid), CEILING_RATES)
-        ceiling = statistics.fmean(res[r]["request_throughput"] for r in CEILING_RATES)
-        lo, hi = (mid, hi) if ceiling < CEILING else (lo, mid)
-    p = replace(p, mfu=round((lo + hi) / 2, 3))
+        lo, hi = (lo, mid) if too_high(mid) else (mid, hi)
+    return (lo + hi) / 2
+
+
+def _mean_err(case: Case, params: CostParams, metric: str) -> float:
+    v = evaluate(case, params)
+    return statistics.fmean((v.ttft_err if metric == "ttft" else v.tpot_err).values())
+
+
+def _minimax_shift(case: Case, params: CostParams, name: str, lo: float, hi: float) -> CostParams:
     for _ in range(3):
-        res = run(p, TTFT_RATES)
-        gaps = [PUBLISHED[r][1] - res[r]["p50_ttft_ms"] / 1e3 for r in TTFT_RATES]
-        shift = (max(gaps) + min(gaps)) / 2
-        p = replace(p, store_notify_s=round(p.store_notify_s + shift, 3))
-    return p
+        v = evaluate(case, params)
+        gaps = [case.measured[r][1] - v.sim[r]["p50_ttft_ms"] / 1e3 for r in v.compared]
+        value = min(max(getattr(params, name) + (max(gaps) + min(gaps)) / 2, lo), hi)
+        params = params.with_(**{name: round(value, 4)})
+    return params
 
 
-def err(sim: float, pub: float) -> str:
-    return f"{(sim - pub) / pub * 100:+6.1f}%"
+def _solve3(a: list, b: list) -> list:
+    """Least squares for 3 unknowns (normal equations, Gaussian elimination)."""
+    n = [[sum(r[i] * r[j] for r in a) for j in range(3)] + [sum(r[i] * y for r, y in zip(a, b))] for i in range(3)]
+    for i in range(3):
+        piv = n[i][i]
+        n[i] = [x / piv for x in n[i]]
+        for k in range(3):
+            if k != i:
+                n[k] = [xk - n[k][i] * xi for xk, xi in zip(n[k], n[i])]
+    return [n[i][3] for i in range(3)]
 
 
-# ---- H200: the real 2x H200 run (tests/twin/fixtures/h200_1p1d_real.json, docs/gpu-run.md) -----------------
-# Setup "pdctl" (CostParams.for_setup): CUDA graphs, pdctl proxy waiting on LMCache telemetry (store_notify_s =
-# 6 ms, the middle of the measured 0-12 ms, not fitted), vLLM prefix caching credited. Three fitted values:
-# 1. step_overhead_s (cudagraph) from 1P1D TPOT p50 at 1 req/s, Little's law as for the A100;
-# 2. mfu by bisection on the aggregated (1 engine, no PD path) TTFT p50 at 1 req/s: pure prefill time;
-# 3. kv_load_s (fixed cost of one external LMCache load) minimax on 1P1D TTFT p50 at 1/2/5/10 req/s.
-# Each rate is the median over H200_SEEDS Poisson draws of 50 prompts (the measured run had 50).
-H200_FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "twin" / "fixtures" / "h200_1p1d_real.json"
-H200_MODEL_DIR = H200_FIXTURE.parent / "llama-3.1-8b-v32000"
-H200_RATES = (1, 2, 5, 10, 20)
-H200_SEEDS = 5
-
-
-def h200_measured() -> dict:
-    import json
-    return json.loads(H200_FIXTURE.read_text())
-
-
-def h200_run(params: CostParams, prefill: int, rates=H200_RATES, seeds: int = H200_SEEDS) -> dict:
-    """Median over ``seeds`` Poisson draws of each summary key, per rate."""
-    m = resolve_model(str(H200_MODEL_DIR))
-    per: dict = {}
-    for k in range(seeds):
-        rows = simulate("h200", m, prefill, 1, WL, rates, 50, "pdctl", 2003 + 100 * k, params=params)
-        for r in rows:
-            per.setdefault(int(r["request_rate"]), []).append(r)
-    keys = ("request_throughput", "p50_ttft_ms", "p95_ttft_ms", "p50_tpot_ms", "p50_e2el_ms")
-    return {rate: {key: statistics.median(r[key] for r in rs) for key in keys} for rate, rs in per.items()}
-
-
-def h200_fit(p: CostParams) -> CostParams:
-    meas = h200_measured()["disagg_1p1d"]
-    agg = h200_measured()["aggregated_1x"]
-    hw, m = resolve_hw("h200"), resolve_model(str(H200_MODEL_DIR))
-    dlv, _, _, tpot, e2e = meas["1"]
-    batch = dlv * e2e                      # one decoder
-    ctx = WL.input_len + WL.output_len / 2
+def fit_a100(p: CostParams) -> CostParams:
+    case = find("a100 seed 1P2D, P50")
+    hw, m = resolve_hw(case.hardware), resolve_model(case.model)
+    m1 = case.measured[1.0]
+    batch = 1.0 * m1[4] / case.decode
+    ctx = case.workload.input_len + case.workload.output_len / 2
     mem_s = (m.weights_bytes + batch * ctx * m.kv_bytes_per_token) / (hw.hbm_bytes_per_s * p.mem_eff)
-    lo_o, hi_o = STEP_OVERHEAD_RANGE[p.engine_mode]
-    p = replace(p, step_overhead_s=round(min(max(tpot / 1e3 - mem_s, lo_o), hi_o), 4))
-    lo, hi = PLAUSIBLE["mfu"]
-    for _ in range(8):
-        mid = (lo + hi) / 2
-        t = h200_run(replace(p, mfu=mid), 0, (1,))[1]["p50_ttft_ms"] / 1e3
-        lo, hi = (mid, hi) if t > agg["1"][1] else (lo, mid)
-    p = replace(p, mfu=round((lo + hi) / 2, 3))
-    lo_k, hi_k = PLAUSIBLE["kv_load_s"]
-    for _ in range(3):
-        res = h200_run(p, 1, TTFT_RATES)
-        gaps = [meas[str(r)][1] - res[r]["p50_ttft_ms"] / 1e3 for r in TTFT_RATES]
-        p = replace(p, kv_load_s=round(min(max(p.kv_load_s + (max(gaps) + min(gaps)) / 2, lo_k), hi_k), 4))
-    return p
+    p = p.with_(step_overhead_s=round(m1[3] / 1e3 - mem_s, 4))
+    ceiling_rates = (30.0, 50.0, 60.0)
+    target = statistics.fmean(case.measured[r][0] for r in ceiling_rates)
+    sub = replace(case, measured={r: case.measured[r] for r in ceiling_rates})
+
+    def too_high(mfu: float) -> bool:
+        sim = simulate_case(sub, p.with_(mfu=mfu, attn_mfu=mfu))
+        return statistics.fmean(sim[r]["request_throughput"] for r in ceiling_rates) > target
+    mfu = round(_bisect(*PLAUSIBLE["mfu"], too_high, 8), 3)
+    p = p.with_(mfu=mfu, attn_mfu=mfu)
+    return _minimax_shift(replace(case, measured={r: case.measured[r] for r in (1.0, 2.0, 5.0, 10.0)}), p,
+                          "store_notify_s", *PLAUSIBLE["store_notify_s"])
 
 
-def h200_check(params: CostParams, out=print) -> dict:
-    """Print the comparison; return the per-target verdicts (used by tests/twin)."""
-    meas = h200_measured()
-    pd, agg = h200_run(params, 1), h200_run(params, 0)
-    out(f"params: mfu={params.mfu} mem_eff={params.mem_eff} step_overhead_s={params.step_overhead_s} "
-        f"({params.engine_mode}) store_notify_s={params.store_notify_s} ({params.notify_source}) "
-        f"kv_load_s={params.kv_load_s} prefix_cache={params.prefix_cache}")
-    out(f"median of {H200_SEEDS} Poisson draws x 50 prompts per rate\n")
-    out("1P1D (prefill GPU 0, decode GPU 1, pdctl proxy):\n")
-    out("| asked | delivered sim / real (err) | TTFT p50 ms sim / real (err) | TTFT p95 ms sim / real "
-        "| TPOT p50 ms sim / real | E2E p50 s sim / real |")
+def fit_h200(p: CostParams) -> CostParams:
+    probes = [find(f"h200 1x nokv, probe{n}") for n in (2000, 8000, 16000)]
+    m, hw = resolve_model(probes[0].model), resolve_hw("h200")
+    cost = CostModel(hw, m, probes[0].engine, p)
+    bw = hw.hbm_bytes_per_s * p.mem_eff
+    ovh = statistics.fmean(c.measured[0.5][3] / 1e3 - (m.weights_bytes + (c.workload.input_len + 32)
+                                                       * m.kv_bytes_per_token) / bw for c in probes)
+    p = p.with_(step_overhead_s=round(ovh, 5))
+    rows, ys = [], []
+    for c in probes:
+        n = c.workload.input_len
+        rows.append([1.0, 2 * cost.arch.matmul_active_params * n / hw.bf16_flops,
+                     2 * cost.arch.attn_width * m.num_layers * prefill_pairs(n) / hw.bf16_flops])
+        ys.append(c.measured[0.5][1] - 2 * p.http_hop_s - p.step_overhead_s)
+    api, inv_mfu, inv_attn = _solve3(rows, ys)
+    p = p.with_(api_overhead_s=round(api, 4), mfu=round(1 / inv_mfu, 3), attn_mfu=round(1 / inv_attn, 3))
+    diffs = [find(f"h200 1x conn, probe{n}").measured[0.5][1] - find(f"h200 1x nokv, probe{n}").measured[0.5][1]
+             for n in (2000, 8000, 16000)]
+    p = p.with_(connector_s=round(max(0.0, statistics.fmean(diffs) - p.rpc_s), 4))
+    p95 = find("h200 1x nokv, p95")
+    p = p.with_(kv_share_reread=round(_bisect(0.0, 1.0, lambda r: _mean_err(p95, p.with_(kv_share_reread=r),
+                                                                              "tpot") > 0), 3))
+    chat = find("h200 1x conn, chat")
+    p = p.with_(connector_seq_s=round(_bisect(*PLAUSIBLE["connector_seq_s"], lambda k: _mean_err(
+        chat, p.with_(connector_seq_s=k), "tpot") > 0), 7))
+    return _minimax_shift(find("h200x2 1P1D, P50"), p, "kv_load_s", *PLAUSIBLE["kv_load_s"])
+
+
+FITTED = FITTED_NAMES
+
+
+def fit_all() -> dict:
+    """{(setup, hardware): fitted CostParams} for every setup/hardware pair a case uses."""
+    a100 = fit_a100(CostParams.for_setup("seed", "a100-80gb"))
+    h200 = fit_h200(CostParams.for_setup("pdctl", "h200"))
+    return {("seed", "a100-80gb"): a100, ("pdctl", "h200"): h200}
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+def _k(rate) -> str:
+    return "-" if rate is None else f"{rate:g}"
+
+
+def report(verdicts: list, out=print) -> None:
+    out("| case | role | asked | delivered sim / real | TTFT p50 ms sim / real (err) | TPOT p50 ms sim / real (err) |")
     out("|---|---|---|---|---|---|")
-    for rate in H200_RATES:
-        dlv, t50, t95, tpot, e2e = meas["disagg_1p1d"][str(rate)]
-        r = pd[rate]
-        out(f"| {rate} | {r['request_throughput']:.2f} / {dlv:.2f} ({err(r['request_throughput'], dlv)}) "
-            f"| {r['p50_ttft_ms']:.0f} / {t50 * 1e3:.0f} ({err(r['p50_ttft_ms'] / 1e3, t50)}) "
-            f"| {r['p95_ttft_ms']:.0f} / {t95 * 1e3:.0f} | {r['p50_tpot_ms']:.1f} / {tpot:.1f} "
-            f"| {r['p50_e2el_ms'] / 1e3:.2f} / {e2e:.2f} |")
-    out("\naggregated (1 engine, role both; check only, except mfu pinned at 1 req/s):\n")
-    out("| asked | delivered sim / real | TTFT p50 ms sim / real (err) | TPOT p50 ms sim / real (err) |")
-    out("|---|---|---|---|")
-    for rate in H200_RATES:
-        dlv, t50, _, tpot, _ = meas["aggregated_1x"][str(rate)]
-        r = agg[rate]
-        out(f"| {rate} | {r['request_throughput']:.2f} / {dlv:.2f} | {r['p50_ttft_ms']:.0f} / {t50 * 1e3:.0f} "
-            f"({err(r['p50_ttft_ms'] / 1e3, t50)}) | {r['p50_tpot_ms']:.1f} / {tpot:.1f} "
-            f"({err(r['p50_tpot_ms'], tpot)}) |")
-    ttft_err = {r: (pd[r]["p50_ttft_ms"] / 1e3 - meas["disagg_1p1d"][str(r)][1]) / meas["disagg_1p1d"][str(r)][1]
-                for r in TTFT_RATES}
-    d20 = meas["disagg_1p1d"]["20"][0]
-    ceil_err = (pd[20]["request_throughput"] - d20) / d20
-    bad = check_plausible(params)
-    verdict = {"ttft_err": ttft_err, "ceiling_err": ceil_err, "implausible": bad,
-               "ttft_ok": all(abs(e) <= 0.20 for e in ttft_err.values()), "ceiling_ok": abs(ceil_err) <= 0.15}
-    out(f"\n1P1D TTFT p50 at {'/'.join(map(str, TTFT_RATES))} req/s within +-20 %: "
-        f"{'OK' if verdict['ttft_ok'] else 'MISS'}")
-    out(f"1P1D delivered at 20 req/s {pd[20]['request_throughput']:.2f} vs {d20} ({ceil_err * 100:+.1f}%) -> "
-        f"{'OK' if verdict['ceiling_ok'] else 'MISS'} (target +-15 %)")
-    out(f"parameters inside plausible ranges: {'OK' if not bad else 'OUT: ' + ', '.join(bad)}")
-    return verdict
-
-
-def h200_main(refit: bool) -> int:
-    params = CostParams.for_setup("pdctl", "h200")
-    if refit:
-        t = time.monotonic()
-        params = h200_fit(params)
-        print(f"fitted in {time.monotonic() - t:.1f} s: step_overhead_s={params.step_overhead_s} "
-              f"mfu={params.mfu} kv_load_s={params.kv_load_s}")
-    v = h200_check(params)
-    return 0 if v["ttft_ok"] and v["ceiling_ok"] and not v["implausible"] else 1
+    for v in verdicts:
+        c = v.case
+        for rate, m in c.measured.items():
+            s = v.sim[rate]
+            sat = "" if rate in v.compared else " (sat.)"
+            ttft, tpot = s["p50_ttft_ms"], s["p50_tpot_ms"]
+            out(f"| {c.name} | {c.role} | {rate:g}{sat} | {s['request_throughput']:.2f} / {m[0]:.2f} "
+                f"| {ttft:.0f} / {m[1] * 1e3:.0f} ({err(ttft, m[1] * 1e3):+.0%}) "
+                f"| {tpot:.1f} / {m[3]:.1f} ({err(tpot, m[3]):+.0%}) |")
+    out("\n| case | role | TTFT/TPOT p50 below saturation (rates) | ceiling sim / real (err) | knee sim / real "
+        "| verdict |")
+    out("|---|---|---|---|---|---|")
+    for v in verdicts:
+        worst = max([abs(e) for e in (*v.ttft_err.values(), *v.tpot_err.values())], default=0.0)
+        rates = ",".join(f"{r:g}" for r in v.compared) or "none"
+        miss = v.misses
+        out(f"| {v.case.name} | {v.case.role.upper()} | worst {worst:.0%} ({rates}) | {v.ceiling[0]:.2f} / "
+            f"{v.ceiling[1]:.2f} ({v.ceiling_err:+.0%}) | {_k(v.knees[1])} / {_k(v.knees[0])} "
+            f"| {'OK' if not miss else 'MISS: ' + '; '.join(miss)} |")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fit", action="store_true", help="refit the fitted parameters first")
-    ap.add_argument("--target", choices=["a100-seed", "h200"], default="a100-seed",
-                    help="a100-seed: the seed's published 1P2D table; h200: the real 2x H200 1P1D run")
+    ap.add_argument("--fit", action="store_true", help="refit the fitted parameters first (from the FIT cases)")
+    ap.add_argument("--case", default="", help="only cases whose name contains this text")
     a = ap.parse_args()
-    if a.target == "h200":
-        return h200_main(a.fit)
-    params = CostParams()
+    params = {}
     if a.fit:
         t = time.monotonic()
-        params = fit(params)
-        print(f"fitted in {time.monotonic() - t:.1f} s: step_overhead_s={params.step_overhead_s} mfu={params.mfu} "
-              f"store_notify_s={params.store_notify_s}")
-    bad = check_plausible(params)
+        params = fit_all()
+        print(f"fitted in {time.monotonic() - t:.1f} s (shipped values in appliance/twin/params.py):")
+        for (setup, hw), p in params.items():
+            ship = CostParams.for_setup(setup, hw)
+            print(f"  {setup} on {hw}: " + ", ".join(f"{k}={getattr(p, k):g} (shipped {getattr(ship, k):g})"
+                                                   for k in FITTED))
+    cases = [c for c in all_cases() if a.case in c.name]
+    if not cases:
+        print(f"no case matches {a.case!r}", file=sys.stderr)
+        return 2
     t = time.monotonic()
-    res = run(params, list(PUBLISHED))
-    took = time.monotonic() - t
-    print(f"params: mfu={params.mfu} mem_eff={params.mem_eff} step_overhead_s={params.step_overhead_s} "
-          f"host_link_eff={params.host_link_eff} store_notify_s={params.store_notify_s}")
-    print(f"sweep: {len(PUBLISHED)} rates x 600 prompts simulated in {took:.1f} s\n")
-    print("| asked | delivered sim / seed (err) | TTFT p50 s sim / seed (err) | TTFT p95 s sim / seed (err) "
-          "| TPOT p50 ms sim / seed | E2E p50 s sim / seed |")
-    print("|---|---|---|---|---|---|")
-    for rate, (dlv, t50, t95, tpot, e2e) in PUBLISHED.items():
-        r = res[rate]
-        print(f"| {rate} | {r['request_throughput']:.2f} / {dlv:.2f} ({err(r['request_throughput'], dlv)}) "
-              f"| {r['p50_ttft_ms'] / 1e3:.3f} / {t50:.3f} ({err(r['p50_ttft_ms'] / 1e3, t50)}) "
-              f"| {r['p95_ttft_ms'] / 1e3:.3f} / {t95:.3f} ({err(r['p95_ttft_ms'] / 1e3, t95)}) "
-              f"| {r['p50_tpot_ms']:.1f} / {tpot:.1f} | {r['p50_e2el_ms'] / 1e3:.2f} / {e2e:.2f} |")
-    ceiling = statistics.fmean(res[r]["request_throughput"] for r in CEILING_RATES)
-    ttft_ok = all(abs(res[r]["p50_ttft_ms"] / 1e3 - PUBLISHED[r][1]) / PUBLISHED[r][1] <= 0.20 for r in TTFT_RATES)
-    ceil_ok = abs(ceiling - CEILING) / CEILING <= 0.10
-    print(f"\nceiling (mean delivered at {'/'.join(map(str, CEILING_RATES))} req/s): {ceiling:.2f} vs {CEILING} "
-          f"({err(ceiling, CEILING)}) -> {'OK' if ceil_ok else 'MISS'} (target +-10 %)")
-    print(f"TTFT p50 at {'/'.join(map(str, TTFT_RATES))} req/s within +-20 %: {'OK' if ttft_ok else 'MISS'}")
-    print(f"fitted parameters inside plausible ranges: {'OK' if not bad else 'OUT: ' + ', '.join(bad)}")
-    return 0 if ttft_ok and ceil_ok and not bad else 1
+    verdicts = [evaluate(c, params.get((c.setup, c.hardware)) or shipped(c)) for c in cases]
+    print(f"{len(cases)} cases simulated in {time.monotonic() - t:.1f} s\n")
+    report(verdicts)
+    bad_params = {f"{c.setup}/{c.hardware}": check_plausible(params.get((c.setup, c.hardware)) or shipped(c))
+                  for c in cases}
+    bad_params = {k: v for k, v in bad_params.items() if v}
+    fit_miss = [v.case.name for v in verdicts if v.case.role == "fit" and v.misses]
+    check_miss = [v.case.name for v in verdicts if v.case.role == "check" and v.misses]
+    n_check = sum(1 for v in verdicts if v.case.role == "check")
+    print(f"\nchecked cases (nothing fitted on them): {n_check - len(check_miss)} of {n_check} within every target"
+          + (f"; MISS: {', '.join(check_miss)}" if check_miss else ""))
+    print(f"fitted cases: {'all within every target' if not fit_miss else 'MISS: ' + ', '.join(fit_miss)}")
+    print(f"parameters inside plausible ranges: {'OK' if not bad_params else 'OUT: ' + str(bad_params)}")
+    return 0 if not (fit_miss or check_miss or bad_params) else 1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from appliance import constants as C
 from appliance.models import ModelError
 
 from .hardware import PROFILES, HardwareError
+from .params import SETUPS as SETUP_NAMES
 
 
 class _JournalFormatter(logging.Formatter):
@@ -76,7 +77,7 @@ def register(subparsers) -> None:
                    help="pdctl policy: skip the P leg when at most this many prompt tokens are uncached")
     s.add_argument("--kv-size-gb", type=float, default=80.0)
     s.add_argument("--seed", type=int, default=2003)
-    s.add_argument("--setup", choices=["auto", "seed", "pdctl"], default="auto",
+    s.add_argument("--setup", choices=["auto", *sorted(SETUP_NAMES)], default="auto",
                    help="engine mode + store-notify source: seed = --enforce-eager + the seed's proxy (the A100 "
                    "fit); pdctl = CUDA graphs + pdctl telemetry + prefix caching (what pdctl plan runs); "
                    "auto = seed for --policy round-robin, pdctl for --policy pdctl")
@@ -100,6 +101,10 @@ def register(subparsers) -> None:
     e.add_argument("--max-model-len", type=int, default=20000)
     e.add_argument("--block-size", type=int, default=64)
     e.add_argument("--fault", default="none", help="start with a fault: MODE[:ARG] (see appliance.twin.faults)")
+    e.add_argument("--setup", choices=sorted(SETUP_NAMES), default="seed",
+                   help="cost parameters, as pdctl twin simulate --setup: seed = --enforce-eager + the seed's proxy "
+                   "(the A100 fit, what pdctl plan ranks with); pdctl = CUDA graphs + telemetry + prefix caching + "
+                   "the async connector lookup (the H200 fit)")
     _engine_cfg_args(e)
     e.set_defaults(func=cmd_engine)
 
@@ -154,7 +159,7 @@ def cmd_engine(a) -> int:
     opts = EngineOptions(role=a.role, host=a.host, port=a.port, hardware=a.hardware, model=a.model, kv=a.kv,
                          kv_http=a.kv_http, time_scale=a.time_scale, served_model_name=a.served_model_name,
                          gpu_index=a.gpu_index or 0, state_file=state, max_model_len=a.max_model_len,
-                         engine=cfg, fault=a.fault)
+                         engine=cfg, fault=a.fault, setup=a.setup)
     try:
         run(opts)
     except (ValueError, HardwareError, ModelError) as exc:

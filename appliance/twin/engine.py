@@ -1,10 +1,12 @@
 """Twin engine: a process with vLLM's HTTP surface whose timing comes from the twin cost model.
 
-The scheduler is ``core.EngineCore`` (the simulator's), stepped in real time: each step sleeps its
-cost-model duration x ``time_scale`` (wall seconds per model second; 0.25 runs four times faster than
-the GPU it imitates). Requests look their prompt's chunk hashes up in the KV server; hits are loaded
-over the simulated host link and only the rest is prefilled. Prefill (and ``both``) engines store the
-prompt's chunks after finishing, then, when LMCache's request telemetry env is set, POST
+The scheduler is ``core.EngineCore`` and the request's way in and out is ``kvpath`` (both the simulator's),
+stepped in real time: each step sleeps its cost-model duration x ``time_scale`` (wall seconds per model
+second; 0.25 runs four times faster than the GPU it imitates). The cost parameters are a named setup
+(``--setup``, as ``pdctl twin simulate``): requests look their prompt's chunk hashes up in the KV server and,
+with the setup's prefix cache, their blocks in the engine's own cache; only what the engine lacks is loaded
+over the simulated host link, and only the rest is prefilled. Prefill (and ``both``) engines store the
+prompt's new chunks after finishing, then, when LMCache's request telemetry env is set, POST
 ``request_store_finished`` like LMCache does. Text is generated filler; token ids are ``tokens.tokenize``.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from aiohttp import web
 from appliance import constants as C
 from appliance.models import resolve as resolve_model
 
-from . import gpus, tokens
+from . import gpus, kvpath, tokens
 from .core import EngineCore, HostLink, Seq
 from .costmodel import CostModel, CostParams, EngineConfig
 from .engine_metrics import EngineMetrics
@@ -52,7 +54,8 @@ class EngineOptions:
     state_file: Optional[str] = None
     max_model_len: int = 20000
     engine: EngineConfig = field(default_factory=EngineConfig)
-    params: CostParams = field(default_factory=CostParams)
+    params: Optional[CostParams] = None      # None: CostParams.for_setup(setup, hardware)
+    setup: str = "seed"
     fault: str = "none"
 
 
@@ -113,11 +116,13 @@ class TwinEngine:
         self.opts = opts
         self.hw = resolve_hw(opts.hardware)
         self.model = resolve_model(opts.model)
-        self.cost = CostModel(self.hw, self.model, opts.engine, opts.params)
+        params = opts.params or CostParams.for_setup(opts.setup, self.hw.name)   # ValueError on a bad setup
+        self.cost = CostModel(self.hw, self.model, opts.engine, params)
         if self.cost.kv_capacity_tokens() <= 0:
             raise ValueError(f"{self.model.name} does not fit on {self.hw.name} at gpu_memory_utilization "
                              f"{opts.engine.gpu_memory_utilization}")
-        self.core = EngineCore(self.cost)
+        self.core = EngineCore(self.cost, connector=bool(opts.kv))
+        self.apc = kvpath.PrefixCache()      # vLLM's prefix cache of this engine (used when the setup has it)
         self.scale = opts.time_scale
         self.name = opts.served_model_name or self.model.hf_id
         self.metrics = EngineMetrics(self, self.name)
@@ -165,7 +170,13 @@ class TwinEngine:
             plan = self.core.step(want_decoded=True)
             if plan is None:
                 self._work.clear()
-                await self._work.wait()
+                if self.core.has_deferred():     # idle: the connector's answered lookups are noticed later
+                    try:
+                        await asyncio.wait_for(self._work.wait(), self.cost.params.connector_s * self.scale)
+                    except asyncio.TimeoutError:
+                        self.core.release_deferred()
+                else:
+                    await self._work.wait()
                 continue
             dur = plan.duration * self.scale * self.fault.slow_factor
             start = max(loop.time(), busy_until)
@@ -191,23 +202,34 @@ class TwinEngine:
         t.add_done_callback(self._bg.discard)
 
     # ---- requests --------------------------------------------------------------------------------
-    async def submit(self, ids: list[int], max_tokens: int, vllm_rid: str) -> tuple[Seq, _Live]:
+    async def submit(self, ids: list[int], max_tokens: int, vllm_rid: str,
+                     arrived: Optional[float] = None) -> tuple[Seq, _Live]:
+        """Admit a request that reached the API at loop time ``arrived`` (its own parsing counts toward the
+        setup's API-server cost, which is charged from then)."""
         live = _Live(self, len(ids), max_tokens)
         chunks = tokens.chunk_hashes(ids)
-        hit = 0
+        loop = asyncio.get_running_loop()
+        arrived = loop.time() if arrived is None else arrived
+        hit, local, last = 0, 0, None
         self.loading += 1
         try:
             if self.kv is not None:
-                hit = min(await self.kv.lookup(self.name, chunks), len(ids) - 1)
-            loop = asyncio.get_running_loop()
-            ready = self.link_in.reserve(loop.time(), self.cost.host_transfer_time(hit) * self.scale)
-            await asyncio.sleep(max(0.0, ready - loop.time()))
+                hit = await self.kv.lookup(self.name, chunks)
+            if self.cost.params.prefix_cache:
+                b = self.opts.engine.block_size
+                blocks = [h for h, n in tokens.chunk_hashes(ids, b) if n == b]   # whole blocks only
+                local, last = self.apc.hit(blocks, [b] * len(blocks))
+            adm = kvpath.admit(self.cost, arrived / self.scale, len(ids), hit, local, self.link_in, self.kv is not None)
+            await asyncio.sleep(max(0.0, adm.ready_at * self.scale - loop.time()))
         finally:
             self.loading -= 1
-        seq = Seq(rid=vllm_rid, prompt_len=len(ids), max_tokens=max_tokens, hit=hit, payload=live)
+        seq = Seq(rid=vllm_rid, prompt_len=len(ids), max_tokens=max_tokens, hit=adm.skip, local=adm.local,
+                  payload=live)
+        if adm.local:
+            seq.share_key, seq.share_tokens = last, adm.local
         seq.chunks = chunks  # type: ignore[attr-defined]
         live.admitted = time.monotonic()
-        self.core.add(seq)
+        self.core.add(seq, adm.defer)
         self._work.set()
         return seq, live
 
@@ -227,11 +249,11 @@ class TwinEngine:
 
     async def _store(self, seq: Seq) -> None:
         loop = asyncio.get_running_loop()
-        done = self.link_out.reserve(loop.time(), self.cost.host_transfer_time(seq.prompt_len - seq.hit) * self.scale)
-        await asyncio.sleep(max(0.0, done - loop.time()))
+        stored, notified = kvpath.store(self.cost, loop.time() / self.scale, seq.prompt_len - seq.hit, self.link_out)
+        await asyncio.sleep(max(0.0, stored * self.scale - loop.time()))
         await self.kv.store(self.name, seq.chunks, self.cost.kv_bytes_per_token)  # type: ignore[attr-defined]
         if self.telemetry:
-            await asyncio.sleep(self.cost.params.store_notify_s * self.scale)
+            await asyncio.sleep(max(0.0, notified * self.scale - loop.time()))
             await self._post_telemetry(seq.rid)
 
     async def _post_telemetry(self, rid: str) -> None:
@@ -349,6 +371,7 @@ def build_app(eng: TwinEngine) -> web.Application:
         return await _generate(request, chat=True)
 
     async def _generate(request: web.Request, chat: bool):
+        arrived = asyncio.get_running_loop().time()
         try:
             body = await request.json()
             if not isinstance(body, dict):
@@ -389,7 +412,7 @@ def build_app(eng: TwinEngine) -> web.Application:
         prefix = "chatcmpl" if chat else "cmpl"
         rid = f"{prefix}-{xrid}"
         vllm_rid = f"{prefix}-{xrid}-0-{secrets.token_hex(4)}"
-        seq, live = await eng.submit(ids, mt, vllm_rid)
+        seq, live = await eng.submit(ids, mt, vllm_rid, arrived)
         created = int(time.time())
         usage = lambda: {"prompt_tokens": len(ids), "total_tokens": len(ids) + live.n,  # noqa: E731
                          "completion_tokens": live.n}

@@ -84,12 +84,13 @@ class EngineMetrics:
                                  labels=["block_size", "enable_prefix_caching", "engine", "gpu_memory_utilization",
                                          "kv_cache_size_tokens", "num_gpu_blocks"])
         cfg = core.cfg
-        info.add_metric([str(cfg.block_size), "False", "0", str(cfg.gpu_memory_utilization), str(core.capacity),
+        info.add_metric([str(cfg.block_size), str(core.cost.params.prefix_cache), "0",
+                         str(cfg.gpu_memory_utilization), str(core.capacity),
                          str(core.capacity // cfg.block_size)], 1.0)
         out.append(info)
         counter(C.VLLM_PREFIX_QUERIES, "Prefix cache queries, in terms of number of queried tokens.",
                 cnt.prompt_tokens)
-        counter(C.VLLM_PREFIX_HITS, "Prefix cache hits, in terms of number of cached tokens.", 0)
+        counter(C.VLLM_PREFIX_HITS, "Prefix cache hits, in terms of number of cached tokens.", cnt.local_hits)
         counter(C.VLLM_EXT_PREFIX_QUERIES, "External prefix cache queries from KV connector cross-instance "
                 "cache sharing, in terms of number of queried tokens.", cnt.external_queries)
         counter(C.VLLM_EXT_PREFIX_HITS, "External prefix cache hits from KV connector cross-instance cache "
@@ -97,11 +98,12 @@ class EngineMetrics:
         counter(C.VLLM_PREEMPTIONS, "Cumulative number of preemption from the engine.", cnt.preemptions)
         counter(C.VLLM_PROMPT_TOKENS, "Number of prefill tokens processed.", cnt.prompt_tokens)
         counter(C.VLLM_PROMPT_BY_SOURCE, "Number of prompt tokens by source.", None,
-                (["source"], [(["local_compute"], cnt.local_compute), (["local_cache_hit"], 0),
+                (["source"], [(["local_compute"], cnt.local_compute), (["local_cache_hit"], cnt.local_hits),
                               (["external_kv_transfer"], cnt.external_hits)]))
-        counter(C.VLLM_PROMPT_CACHED, "Number of cached prompt tokens (local + external).", cnt.external_hits)
+        counter(C.VLLM_PROMPT_CACHED, "Number of cached prompt tokens (local + external).",
+                cnt.local_hits + cnt.external_hits)
         counter(C.VLLM_PROMPT_CACHED_BY_SOURCE, "Prefix-cache hit tokens by the cache tier that supplied them.",
-                None, (["source"], [(["device"], 0), (["host"], 0), (["p2p"], 0), (["disk"], 0),
+                None, (["source"], [(["device"], cnt.local_hits), (["host"], 0), (["p2p"], 0), (["disk"], 0),
                                     (["external_unspecified"], cnt.external_hits)]))
         counter(C.VLLM_GENERATION_TOKENS, "Number of generation tokens processed.", cnt.generation_tokens)
         counter(C.VLLM_REQUEST_SUCCESS, "Count of successfully processed requests.", None,

@@ -1,7 +1,7 @@
 """GPU hardware profiles: the physical numbers the cost model starts from.
 
 Each number is a datasheet value (dense, no sparsity) or what NVML reports; the fitted efficiency
-factors that turn peaks into achieved rates live in ``costmodel.CostParams`` / ``costmodel.HARDWARE_FITS``,
+factors that turn peaks into achieved rates live in ``params.CostParams`` / ``params.HARDWARE_FITS``,
 never here.
 
 Sources:

@@ -3,8 +3,10 @@
 Each request follows the seed's path: proxy -> prefiller (``max_tokens=1``; LMCache lookup, load of the
 hit tokens over the host link, prefill in the engine's batch) -> KV store (GPU->host copy, then the
 ``request_store_finished`` notification) -> proxy -> decoder (lookup + load of the whole prompt, one
-token recomputed, decode in the continuous batch) -> client. Engines are ``core.EngineCore`` with the
-same cost model the live twin engine uses.
+token recomputed, decode in the continuous batch) -> client. Engines are ``core.EngineCore`` and a
+request's way in and out is ``kvpath`` (the engine's own prefix cache where the setup has it), the same
+code the live twin engine runs. ``connector=False``: engines without a KV connector (no KV server; a
+decode leg recomputes what its own prefix cache lacks).
 
 Policies:
 - ``round-robin``: the seed's proxy: one global round-robin index picks the prefiller and the decoder;
@@ -16,9 +18,10 @@ Policies:
   With 0 prefillers (pdctl only) every engine is ``both``: it prefills everything it is sent and stores
   the chunks it computed in the KV server, as LMCache's ``kv_both`` role does.
 
-Warm-up like the seed: the shared prefix chunks are in the KV server before the first request.
-Arrivals are Poisson (``vllm bench serve``'s default), the first at t=0. Each rate starts from idle
-engines. Output keys follow ``vllm bench serve`` (``request_throughput`` = completed / duration, the
+Warm-up like the seed: the shared prefix chunks are in the KV server (and in every engine's prefix cache
+where the setup has one) before the first request. Arrivals are Poisson, the first at t=0, drawn exactly as
+``pdctl bench`` draws them (``random.Random(seed + rate index)``), so a simulation with a bench run's seed
+replays its arrival instants. Each rate starts from idle engines. Output keys follow ``vllm bench serve`` (``request_throughput`` = completed / duration, the
 duration ending at the last response, so finite runs read below the steady-state ceiling), plus
 ``kv_hit_rate`` (KV server view: hit / looked-up tokens over all lookups of both legs, like
 ``lmcache_mp_lookup_hit_tokens / ..._requested_tokens``), ``max_concurrent_requests`` (client side),
@@ -36,6 +39,7 @@ from typing import Callable, Optional, Sequence
 from appliance.constants import LMCACHE_CHUNK_TOKENS
 from appliance.models import ModelProfile, resolve as resolve_model
 
+from . import kvpath
 from .core import EngineCore, HostLink, Seq
 from .costmodel import CostModel, CostParams, EngineConfig
 from .hardware import Hardware, resolve as resolve_hw
@@ -78,39 +82,35 @@ class _Loop:
 
 
 class _SimEngine:
-    def __init__(self, name: str, cost: CostModel, loop: _Loop, role: str = "decode"):
+    def __init__(self, name: str, cost: CostModel, loop: _Loop, role: str = "decode", connector: bool = True):
         self.name = name
         self.role = role          # "prefill" (kv_producer) | "decode" (kv_consumer) | "both" (kv_both)
         self.backlog = 0          # uncached tokens sent here whose prefill has not finished (decide's input)
-        self.core = EngineCore(cost)
+        self.core = EngineCore(cost, connector)
         self.loop = loop
         self.link_in = HostLink()
         self.link_out = HostLink()
         self.busy = False
+        self.polling = False
         self.outstanding = 0
-        self.apc: set = set()     # chunk keys on the GPU (vLLM automatic prefix caching), see ``local_hit``
-
-    def local_hit(self, keys: list, chunk_tokens: list) -> int:
-        """Leading prompt tokens already on this GPU (APC), then remember the prompt's chunks.
-
-        Approximation: nothing is evicted. The shared prefix is touched by every request so vLLM's LRU
-        keeps it; unique chunks never recur on the same engine, so their eviction does not matter here."""
-        n = 0
-        for k, c in zip(keys, chunk_tokens):
-            if k not in self.apc:
-                break
-            n += c
-        self.apc.update(keys)
-        return n
+        self.apc = kvpath.PrefixCache()   # vLLM's prefix cache on this GPU, in blocks (used when prefix_cache)
 
     def kick(self, t: float) -> None:
         if self.busy or not self.core.has_work():
             return
         plan = self.core.step()
         if plan is None:
+            if self.core.has_deferred() and not self.polling:   # idle: notice the answered lookup later
+                self.polling = True
+                self.loop.at(t + self.core.cost.params.connector_s, self._poll)
             return
         self.busy = True
         self.loop.at(t + plan.duration, self._end, plan)
+
+    def _poll(self, t: float) -> None:
+        self.polling = False
+        self.core.release_deferred()
+        self.kick(t)
 
     def _end(self, t: float, plan) -> None:
         self.busy = False
@@ -130,6 +130,7 @@ class _Req:
     keys: list
     chunk_tokens: list
     wl: "Workload" = None  # type: ignore[assignment]
+    ci: int = 0                       # request class (its shared prefix)
     uncached: int = 0                 # adaptive: the decision's uncached-token estimate
     decode_to: Optional[_SimEngine] = None   # adaptive split: the D leg's engine, chosen at arrival
     backlog_eng: Optional[_SimEngine] = None
@@ -143,8 +144,11 @@ class _Req:
 class _Stack:
     """One run: engines, KV store, proxy policy and result collection."""
 
-    def __init__(self, cost: CostModel, roles: Sequence[str], mix: "Mix", policy: PolicyConfig, kv_bytes: int):
+    def __init__(self, cost: CostModel, roles: Sequence[str], mix: "Mix", policy: PolicyConfig, kv_bytes: int,
+                 connector: bool = True):
         self.cost = cost
+        self.connector = connector
+        self.block = cost.cfg.block_size
         self.p = cost.params
         self.loop = _Loop()
         counters: dict = {}
@@ -152,7 +156,7 @@ class _Stack:
         for r in roles:
             i = counters.get(r, 0)
             counters[r] = i + 1
-            self.engines.append(_SimEngine(f"{r}-{i}", cost, self.loop, r))
+            self.engines.append(_SimEngine(f"{r}-{i}", cost, self.loop, r, connector))
         self.pre = [e for e in self.engines if e.role == "prefill"]
         self.dec = [e for e in self.engines if e.role in ("decode", "both")]
         self.by_name = {e.name: e for e in self.engines}
@@ -167,8 +171,13 @@ class _Stack:
         self.decisions: dict = {}
         kvb = cost.kv_bytes_per_token
         c = LMCACHE_CHUNK_TOKENS
-        for ci, (_, wl) in enumerate(mix.classes):   # warm-up: every class's shared prefix is stored
-            self.store.store((("p", ci, j), c, c * kvb) for j in range(wl.prefix_len // c))
+        for ci, (_, wl) in enumerate(mix.classes):   # warm-up: every class's shared prefix is stored, and (like
+            #                                           the warm-up requests did) in every engine's prefix cache
+            if connector:
+                self.store.store((("p", ci, j), c, c * kvb) for j in range(wl.prefix_len // c))
+            if self.p.prefix_cache:
+                for e in self.engines:
+                    e.apc.warm([("p", ci, b) for b in range(wl.prefix_len // self.block)])
 
     @staticmethod
     def shape(wl: "Workload") -> list:
@@ -179,6 +188,12 @@ class _Stack:
         prefix_chunks = wl.prefix_len // LMCACHE_CHUNK_TOKENS
         return [("p", ci, j) if j < prefix_chunks else ("r", idx, j)
                 for j in range(math.ceil(wl.input_len / LMCACHE_CHUNK_TOKENS))]
+
+    def blocks(self, req: "_Req") -> list:
+        """The prompt's full KV blocks (vLLM's prefix cache caches whole blocks only)."""
+        b, wl = self.block, req.wl
+        shared = wl.prefix_len // b
+        return [("p", req.ci, j) if j < shared else ("r", req.idx, j) for j in range(wl.input_len // b)]
 
     # ---- proxy ---------------------------------------------------------------------------------
     def arrive(self, t: float, req: _Req) -> None:
@@ -256,20 +271,22 @@ class _Stack:
     # ---- engines -------------------------------------------------------------------------------
     def lookup(self, t: float, req: _Req, eng: _SimEngine, max_tokens: int) -> None:
         n = req.wl.input_len
-        hit = min(self.store.lookup(req.keys, req.chunk_tokens), n - 1)
-        local = min(eng.local_hit(req.keys, req.chunk_tokens), hit) if self.p.prefix_cache else 0
-        ready = eng.link_in.reserve(t + self.p.api_overhead_s + self.p.rpc_s,
-                                    self.cost.host_transfer_time(hit - local))
-        if hit > local:   # an external load: the connector parks the request until the load is reported
-            ready += self.p.kv_load_s
+        hit = self.store.lookup(req.keys, req.chunk_tokens) if self.connector else 0
+        local, last = 0, None
+        if self.p.prefix_cache:
+            keys = self.blocks(req)
+            local, last = eng.apc.hit(keys, [self.block] * len(keys))
+        adm = kvpath.admit(self.cost, t, n, hit, local, eng.link_in, self.connector)
         p_leg = req.leg == 0 and not req.skipped_p
         req.leg += 1
-        seq = Seq(rid=str(req.idx), prompt_len=n, max_tokens=max_tokens, hit=hit,
+        seq = Seq(rid=str(req.idx), prompt_len=n, max_tokens=max_tokens, hit=adm.skip, local=adm.local,
                   payload=_PLeg(self, req, eng) if p_leg else _DLeg(self, req, eng))
-        self.loop.at(ready, self._add, eng, seq)
+        if adm.local:
+            seq.share_key, seq.share_tokens = last, adm.local
+        self.loop.at(adm.ready_at, self._add, eng, seq, adm.defer)
 
-    def _add(self, t: float, eng: _SimEngine, seq: Seq) -> None:
-        eng.core.add(seq)
+    def _add(self, t: float, eng: _SimEngine, seq: Seq, defer: bool = False) -> None:
+        eng.core.add(seq, defer)
         eng.kick(t)
 
     def stored(self, t: float, req: _Req) -> None:
@@ -295,11 +312,12 @@ class _PLeg:
         s = self.s
         self.eng.outstanding -= 1
         s.release_backlog(self.req)
-        new = seq.prompt_len - seq.hit
-        stored_at = self.eng.link_out.reserve(t, s.cost.host_transfer_time(new))
+        if not s.connector:           # nothing is stored: the decode leg recomputes what its cache lacks
+            s.loop.at(t + s.p.http_hop_s, s.send_d, self.req)
+            return
+        stored_at, notified = kvpath.store(s.cost, t, seq.prompt_len - seq.hit, self.eng.link_out)
         s.loop.at(stored_at, s.stored, self.req)
-        go = max(t + s.p.http_hop_s, stored_at + s.p.store_notify_s)
-        s.loop.at(go, s.send_d, self.req)
+        s.loop.at(max(t + s.p.http_hop_s, notified), s.send_d, self.req)
 
     def on_reject(self, t: float, seq: Seq) -> None:
         self.eng.outstanding -= 1
@@ -313,8 +331,8 @@ class _DLeg(_PLeg):
         s = self.s
         self.req.ttft = t + s.p.http_hop_s - self.req.arrival
         s.release_backlog(self.req)
-        if self.eng.role in ("both", "prefill") and seq.preemptions == 0:   # kv_both / kv_producer store
-            stored_at = self.eng.link_out.reserve(t, s.cost.host_transfer_time(seq.prompt_len - seq.hit))
+        if s.connector and self.eng.role in ("both", "prefill") and seq.preemptions == 0:   # kv_both stores
+            stored_at, _ = kvpath.store(s.cost, t, seq.prompt_len - seq.hit, self.eng.link_out)
             s.loop.at(stored_at, s.stored, self.req)
 
     def on_finish(self, t: float, seq: Seq) -> None:
@@ -376,9 +394,9 @@ def _resolve(hardware, model) -> tuple[Hardware, ModelProfile]:
 
 
 def simulate_rate(cost: CostModel, roles: Sequence[str], workload, rate: float, num_prompts: int,
-                  policy: PolicyConfig, seed: int, kv_bytes: int) -> dict:
+                  policy: PolicyConfig, seed: int, kv_bytes: int, connector: bool = True) -> dict:
     mix = Mix.of(workload)
-    stack = _Stack(cost, roles, mix, policy, kv_bytes)
+    stack = _Stack(cost, roles, mix, policy, kv_bytes, connector)
     rng = random.Random(seed)
     pick = random.Random(seed * 7919 + 1)    # the class draw never shifts the arrival times
     shapes = [stack.shape(wl) for _, wl in mix.classes]
@@ -386,7 +404,7 @@ def simulate_rate(cost: CostModel, roles: Sequence[str], workload, rate: float, 
     for i in range(num_prompts):
         ci = mix.pick(pick)
         wl = mix.classes[ci][1]
-        req = _Req(idx=i, arrival=t, keys=stack.keys(i, ci, wl), chunk_tokens=shapes[ci], wl=wl)
+        req = _Req(idx=i, arrival=t, keys=stack.keys(i, ci, wl), chunk_tokens=shapes[ci], wl=wl, ci=ci)
         stack.loop.at(t, stack.arrive, req)
         if math.isfinite(rate):
             t += rng.expovariate(rate)
@@ -408,11 +426,12 @@ def simulate(hardware: object = "a100-80gb", model: object = "deepseek-v2-lite",
              num_prompts: int = 600, policy: str = "round-robin", seed: int = 2003,
              params: Optional[CostParams] = None, engine: Optional[EngineConfig] = None,
              kv_size_gb: float = 80.0, skip_uncached_max: int = 512, both: int = 0,
-             thresholds: Thresholds = Thresholds()) -> list[dict]:
+             thresholds: Thresholds = Thresholds(), connector: bool = True) -> list[dict]:
     """One summary dict per rate (``vllm bench serve`` key names + ``kv_hit_rate``); SimError on bad input.
 
     Engines: ``prefill`` dedicated prefillers (kv_producer), ``decode`` decoders (kv_consumer), ``both``
-    engines that store and retrieve (kv_both). ``workload`` is a Workload or a Mix."""
+    engines that store and retrieve (kv_both). ``workload`` is a Workload or a Mix. ``connector`` False: engines
+    without a KV connector (no KV server; a decode leg recomputes what its own prefix cache lacks)."""
     if policy not in POLICIES:
         raise SimError(f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
     if min(prefill, decode, both) < 0:
@@ -437,5 +456,5 @@ def simulate(hardware: object = "a100-80gb", model: object = "deepseek-v2-lite",
                        "larger GPU")
     pol = PolicyConfig(policy, skip_uncached_max, thresholds)
     roles = roles_for(prefill, decode, both, policy)
-    return [simulate_rate(cost, roles, mix, float(r), num_prompts, pol, seed + i, int(kv_size_gb * GB))
+    return [simulate_rate(cost, roles, mix, float(r), num_prompts, pol, seed + i, int(kv_size_gb * GB), connector)
             for i, r in enumerate(rates)]

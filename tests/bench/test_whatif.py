@@ -102,4 +102,6 @@ def test_policy_study_prints_both_targets(capsys):
     assert "TTFT p95 at 10 req/s" in out and "TTFT p50 at 1 req/s" in out
     seed = next(ln for ln in out.splitlines() if ln.startswith("| round-robin 1P2D"))
     dflt = next(ln for ln in out.splitlines() if ln.startswith("| default:"))
-    assert float(dflt.split("|")[2]) > 1.3 * float(seed.split("|")[2])   # goodput column
+    # goodput column: the default beats the seed (15.0 vs 12.6 req/s since the twin charges a decode step's KV reads
+    # on top of a prefill chunk in the same step, issue 17; 19.4 vs 12.8 before); the study prints the 1.6x target
+    assert float(dflt.split("|")[2]) > 1.1 * float(seed.split("|")[2])

@@ -6,8 +6,8 @@ from appliance.twin.costmodel import CostModel, EngineConfig
 from appliance.twin.hardware import resolve
 
 
-def core(**cfg):
-    return EngineCore(CostModel(resolve("a100-80gb"), model("deepseek-v2-lite"), EngineConfig(**cfg)))
+def core(connector=False, **cfg):
+    return EngineCore(CostModel(resolve("a100-80gb"), model("deepseek-v2-lite"), EngineConfig(**cfg)), connector)
 
 
 def drain(c, limit=100_000):
@@ -55,7 +55,7 @@ def test_token_budget_chunks_long_prefills():
 
 
 def test_external_hits_are_not_recomputed():
-    c = core()
+    c = core(connector=True)
     s = Seq("a", 8000, 1, hit=7800)
     c.add(s)
     plan = c.step()

@@ -2,7 +2,8 @@
 import pytest
 
 from appliance.models import resolve as model
-from appliance.twin.costmodel import CostModel, CostParams, EngineConfig, check_plausible
+from appliance.twin.costmodel import CostModel, EngineConfig
+from appliance.twin.params import CostParams, check_plausible
 from appliance.twin.hardware import PROFILES, HardwareError, resolve
 
 
