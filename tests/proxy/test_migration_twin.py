@@ -95,13 +95,18 @@ async def test_hung_twin_streams_move_within_the_stall_bound(twins, proxy_factor
     px = await proxy_factory(cfg(twins, stall_floor_s=1.0))
     body = {"model": "twin-m", "prompt": PROMPT, "max_tokens": 200, "stream": True}
     tasks = [asyncio.ensure_future(run(px.url, "/v1/completions", body)) for _ in range(4)]
-    await asyncio.sleep(0.6)                     # streams are open on both twins
     t0 = time.monotonic()
-    fault(twins[0], "hang")
+    busy = []
+    while not busy and time.monotonic() - t0 < 10:      # a twin with streams open
+        await asyncio.sleep(0.1)
+        busy = [b.url for b in px.server.backends if b.streams]
+    assert busy, "no stream started"
+    t0 = time.monotonic()
+    fault(busy[0], "hang")
     try:
         results = await asyncio.gather(*tasks)
     finally:
-        fault(twins[0], "none")
+        fault(busy[0], "none")
     took = time.monotonic() - t0
     for raw, text in results:
         assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
