@@ -4,7 +4,8 @@ Run as its own process: ``python tests/proxy/standin.py --port 0 --port-file F [
 Faults are switched at run time with ``POST /_control {"mode": ...}``:
   ok | error500 | hang_gen (generation hangs, /health fine) | hang_all (everything hangs) |
   die_mid_stream (two chunks, then the connection is cut) | no_done (clean end without [DONE]) |
-  crash (the process exits on the next generation request) | die_before_first (cut before any byte)
+  crash (the process exits on the next generation request) | die_before_first (cut before any byte) |
+  flood (a completion stream of max_tokens chunks of 16 KiB each, uncapped: a client that stops reading)
 ``GET /_log`` returns what it received (path, X-Request-Id, body); ``POST /_reset`` clears it.
 With ``--telemetry URL`` it posts LMCache's request_store_finished after ``store_delay_s`` (as a
 prefiller with LMCACHE_REQUEST_TELEMETRY_TYPE=fastapi does), with vLLM's id wrapping.
@@ -148,7 +149,8 @@ class Engine:
         prefix = "chatcmpl" if chat else "cmpl"
         vid = f"{prefix}-{rid}-0-8d6b96cd"
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 4)
-        n = min(n, 64)
+        n = min(n, 64) if self.mode != "flood" else n
+        tok = "tok" if self.mode != "flood" else "x" * 16384    # flood: 16 KiB per token, no cap on the count
         if self.telemetry and n == 1 and not body.get("stream"):
             asyncio.get_running_loop().create_task(self._post_store_finished(vid))
         created = int(time.time())
@@ -179,7 +181,7 @@ class Engine:
                                        "finish_reason": "length" if i == n - 1 else None}]}
                 else:
                     ch = {"id": vid, "object": "text_completion", "created": created, "model": MODEL,
-                          "choices": [{"index": 0, "text": "tok", "logprobs": None,
+                          "choices": [{"index": 0, "text": tok, "logprobs": None,
                                        "finish_reason": "length" if i == n - 1 else None, "stop_reason": None}]}
                 await resp.write(b"data: " + json.dumps(ch).encode() + b"\n\n")
                 if self.mode == "die_mid_stream" and i == 1:
