@@ -374,7 +374,9 @@ def template() -> str:
     """The documented default file (``etc/pdctl.toml``), generated from SCHEMA."""
     lines = ["# /etc/pdctl/pdctl.toml — pdctl settings. Every key, its default and what it does.",
              "# Precedence: CLI flag > PDCTL_<SECTION>_<KEY> environment > this file > defaults.",
-             "# After editing: `sudo pdctl apply` re-plans and restarts only the units whose config changed.",
+             "# After editing: `sudo pdctl apply` re-plans and restarts only the units whose config changed",
+             "# (when only the proxy's part of the plan changed, e.g. [listener] limits, it reloads the proxy:",
+             "# no connection is dropped; its address, drain_timeout_s and watchdog_s restart it).",
              "", f"schema_version = {SCHEMA_VERSION}"]
     for section, keys in SCHEMA.items():
         lines += ["", f"[{section}]"]
