@@ -11,10 +11,12 @@ Each request (streaming completions, every 4th one non-streaming) gets exactly o
 - ``stream_error``  200 stream that ends with an SSE ``error`` event and no ``[DONE]``;
 - ``silent``        200 that ends cleanly (HTTP framing complete) without ``[DONE]`` or an error event, or
                     whose JSON has no choices (must never happen: the client would take a cut answer for whole);
-- ``cut``           the HTTP framing itself was cut (incomplete chunked body, reset): the client library
-                    raises, so it is not silent; expected only when the proxy process itself dies;
+- ``cut``           the HTTP framing itself was cut (incomplete chunked body, reset), or a request the
+                    proxy had accepted was closed before any answer: the client library raises, so it is
+                    not silent; expected only when the proxy process itself dies (lost in flight);
+- ``refused``       the connection itself was refused (nobody listening: a proxy restart without the socket);
 - ``done_after_error``  an error event followed by ``[DONE]`` (must never happen);
-- ``other``         anything else: another status, a refused/reset connection (e.g. the proxy itself died).
+- ``other``         anything else: another status, a connect time-out.
 ``retried`` is the proxy's own retry counter delta over the run (``/pdctl/status`` on the internal port),
 summed over proxy restarts. Prints one JSON line: counts, first examples per outcome, latencies.
 """
@@ -94,6 +96,10 @@ def one(url: str, model: str, i: int, key: str, prompts: str = "unique") -> tupl
             return "cut", f"{type(e).__name__} after {len(raw)} bytes"
         raw = b"".join(chunks)
         return classify_stream(r.status, raw) if stream else classify_plain(r.status, raw)
+    except ConnectionRefusedError as e:
+        return "refused", f"{type(e).__name__}: {e}"[:200]
+    except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+        return "cut", f"{type(e).__name__} before any answer"[:200]     # accepted, then lost with the process
     except (OSError, http.client.HTTPException) as e:
         return "other", f"{type(e).__name__}: {e}"[:200]
     finally:
@@ -113,7 +119,7 @@ def retries(status_url: str) -> int | None:
 
 def main(url: str, model: str, rate: float, seconds: float, status_url: str = "", key: str = "",
          prompts: str = "unique") -> dict:
-    counts = {k: 0 for k in ("ok", "e503", "stream_error", "silent", "cut", "done_after_error", "other")}
+    counts = {k: 0 for k in ("ok", "e503", "stream_error", "silent", "cut", "done_after_error", "refused", "other")}
     examples: dict = {}
     lat: list = []
     lock = threading.Lock()
