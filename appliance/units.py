@@ -113,8 +113,13 @@ def write_tree(root: Path, files: dict) -> list[Path]:
 def proxy_reloadable(old: dict, new: dict) -> bool:
     """The proxy's changes can be applied by ``systemctl reload pd-proxy`` (plan.json only: backends, policy,
     thresholds, limits) rather than a restart: neither its unit files nor its addresses changed."""
-    changed = {Path(k).name for k in set(old) | set(new) if old.get(k) != new.get(k)}
-    if changed & {C.PROXY_UNIT, C.PROXY_SOCKET}:
+    def unit(tree: dict, name: str) -> str:
+        """The unit's text without its ordering lines: the worker list in Wants=/After= changes with a family
+        switch, which ``daemon-reload`` applies without touching the running process."""
+        f = next((f for k, f in tree.items() if Path(k).name == name), None)
+        return "" if f is None else "\n".join(ln for ln in f.text.splitlines()
+                                              if not ln.startswith(("Wants=", "After=")))
+    if unit(old, C.PROXY_UNIT) != unit(new, C.PROXY_UNIT) or unit(old, C.PROXY_SOCKET) != unit(new, C.PROXY_SOCKET):
         return False
     plans = [json.loads(t[p].text) for t in (old, new) for p in t if p.endswith("plan.json")]
     if len(plans) != 2:

@@ -200,6 +200,7 @@ def test_affected_units_only_what_changed(tmp_path):
     h = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=100, prefill=1, both=3))
     changed = U.affected_units(same, U.render(h, "x"))
     assert "pd-worker@prefill-0.service" not in changed and "pd-proxy.service" in changed
+    assert U.proxy_reloadable(same, U.render(h, "x"))       # new backends, the unit's worker list: a reload
     assert {"pd-worker@both-0.service", "pd-worker@decode-0.service"} <= changed
 
 

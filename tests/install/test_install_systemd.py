@@ -62,7 +62,8 @@ def client(box, *args, timeout=120):
 def nothing_installed(box) -> list:
     left = []
     for p in ("/etc/systemd/system/pd.target", "/etc/systemd/system/pd-proxy.service",
-              "/etc/systemd/system/pd-kvcache.service", "/etc/systemd/system/pd-worker@.service",
+              "/etc/systemd/system/pd-proxy.socket", "/etc/systemd/system/pd-kvcache.service",
+              "/etc/systemd/system/pd-worker@.service",
               "/etc/pdctl/plan.json", "/opt/pdctl", "/usr/local/bin/pdctl"):
         if box.host_path(p).exists() or box.host_path(p).is_symlink():
             left.append(p)
@@ -316,7 +317,8 @@ def test_a_unit_failing_at_start_ends_the_wait_with_its_journal(box):
 def test_stop_target_stops_everything(box):
     t0 = time.monotonic()
     box.systemctl("stop", "pd.target", check=True, timeout=120)
-    for u in ("pd-kvcache.service", "pd-proxy.service", "pd-worker@prefill-0.service", "pd-worker@both-2.service"):
+    for u in ("pd-kvcache.service", "pd-proxy.service", "pd-proxy.socket", "pd-worker@prefill-0.service",
+              "pd-worker@both-2.service"):
         box.wait_show(u, timeout=60, ActiveState="inactive")  # PartOf= jobs finish after the target's own
     TIMINGS["stop_s"] = round(time.monotonic() - t0, 1)
 
