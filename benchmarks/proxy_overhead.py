@@ -236,7 +236,8 @@ def start_target(name: str, p_port: int, d_port: int, baseline: Path | None = No
         if rb is None:
             raise RuntimeError("vllm-router is not installed (pip install vllm-router==0.1.17)")
         argv = [rb, "--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url, "--host", "127.0.0.1",
-                "--port", str(port), "--log-level", "error"]
+                "--port", str(port), "--log-level", "error",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]   # not its fixed 29000
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_http(f"http://127.0.0.1:{port}/v1/models", 60, proc)
     return port, proc
