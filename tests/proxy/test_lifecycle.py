@@ -256,6 +256,9 @@ def test_sighup_rereads_the_plan_keeps_backends_and_drops_no_connection(fresh, t
         s = socket.create_connection(("127.0.0.1", port), timeout=20)
         body = json.dumps({"model": "tiny", "prompt": "across", "max_tokens": 20, "stream": True}).encode()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while b"data: " not in got:          # the stream runs on decode-0 before the reload lands
+            got += s.recv(65536)
         new = dataclasses.replace(plan, workers=plan.workers + (dataclasses.replace(
             plan.workers[-1], instance="decode-1", port=e["d1"].port),),
             proxy=dataclasses.replace(plan.proxy, policy="round-robin", max_connections=77))
@@ -263,7 +266,6 @@ def test_sighup_rereads_the_plan_keeps_backends_and_drops_no_connection(fresh, t
         p.send_signal(signal.SIGHUP)
         notify.until("RELOADING=1")
         notify.until("READY=1")
-        got = b""
         while not got.endswith(b"0\r\n\r\n"):
             got += s.recv(65536)
         assert got.startswith(b"HTTP/1.1 200") and got.count(b"data: ") == 21 and b"[DONE]" in got

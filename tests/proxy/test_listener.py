@@ -14,7 +14,7 @@ import time
 
 from .conftest import make_cfg
 
-SHORT = dict(header_timeout_s=0.4, body_timeout_s=0.4, keepalive_timeout_s=0.4, send_timeout_s=0.5)
+SHORT = dict(header_timeout_s=1.0, body_timeout_s=1.0, keepalive_timeout_s=1.0, send_timeout_s=1.0)
 BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()
 
 
@@ -60,7 +60,7 @@ async def test_slow_head_gets_408_and_is_closed(fresh, proxy_factory):
     took = time.monotonic() - t0
     assert status(got) == 408 and b"Connection: close" in got, got[:200]
     assert error_of(got)["code"] == "request_timeout" and "header_timeout_s" in error_of(got)["message"]
-    assert 0.3 < took < 3.0, took
+    assert 0.8 < took < 5.0, took
     assert px.server.status()["listener"]["closed_header_timeout"] == 1
 
 
@@ -69,7 +69,7 @@ async def test_connection_that_sends_nothing_is_closed_without_an_answer(fresh, 
     r, w = await asyncio.open_connection("127.0.0.1", px.server.public_port)
     t0 = time.monotonic()
     assert await read_all(r) == b""
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 5.0
     assert px.server.status()["listener"]["closed_no_request"] == 1
     w.close()
 
@@ -113,23 +113,23 @@ async def test_stalled_body_gets_408_but_a_slow_steady_body_is_served(fresh, pro
     for i in range(0, len(body), 8):
         w.write(body[i:i + 8])
         await w.drain()
-        await asyncio.sleep(0.15)
+        await asyncio.sleep(0.3)
     got = await read_all(r)
-    assert time.monotonic() - t0 > 0.8 and status(got) == 200, got[:300]
+    assert time.monotonic() - t0 > 1.5 and status(got) == 200, got[:300]
 
 
 async def test_idle_keepalive_connection_is_closed_and_a_busy_one_lives(fresh, proxy_factory):
     px = await proxy(fresh, proxy_factory)
     r, w = await asyncio.open_connection("127.0.0.1", px.server.public_port)
     t0 = time.monotonic()
-    for _ in range(4):   # 4 requests 0.25 s apart: longer in total than keepalive_timeout_s, never idle that long
+    for _ in range(4):   # 4 requests 0.5 s apart: longer in total than keepalive_timeout_s, never idle that long
         w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
         n = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
         await r.readexactly(n)
         assert head.startswith(b"HTTP/1.1 200")
-        await asyncio.sleep(0.25)
-    assert time.monotonic() - t0 > 0.9
+        await asyncio.sleep(0.5)
+    assert time.monotonic() - t0 > 1.9
     assert await read_all(r) == b""          # then idle: closed after keepalive_timeout_s, no answer
     assert px.server.status()["listener"]["closed_idle"] == 1
 
