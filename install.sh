@@ -211,8 +211,8 @@ uninstall() {
     if [ "$purge" = 1 ]; then "$prefix/bin/pdctl" uninstall --purge; else "$prefix/bin/pdctl" uninstall; fi
   else
     warn "$prefix/bin/pdctl not found: removing what is left by hand"
-    systemctl stop pd.target 2>/dev/null || true
-    rm -f /etc/systemd/system/pd.target /etc/systemd/system/pd-*.service
+    systemctl stop pd.target pd-proxy.socket 2>/dev/null || true
+    rm -f /etc/systemd/system/pd.target /etc/systemd/system/pd-*.service /etc/systemd/system/pd-proxy.socket
     rm -rf /etc/systemd/system/pd.target.wants
     systemctl daemon-reload 2>/dev/null || true
     id pdctl >/dev/null 2>&1 && userdel pdctl 2>/dev/null || true

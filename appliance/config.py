@@ -134,7 +134,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "drain_timeout_s": Key(float, 30.0, "on stop or restart the proxy stops accepting, then lets in-flight "
                                             "answers finish for up to this long (TimeoutStopSec is longer)", "posf"),
         "watchdog_s": Key(float, 10.0, "systemd WatchdogSec of pd-proxy: restarted when its own /health does "
-                                       "not answer within this (0 = no watchdog)", "nonnegf"),
+                                       "not answer within this (0 = no watchdog; else >= 5)", "watchdog"),
     },
     "listener": {
         "header_timeout_s": Key(float, 10.0, "public port: a client must send its whole request head within this "
@@ -146,11 +146,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "send_timeout_s": Key(float, 60.0, "public port: a client that takes nothing of its answer for this long "
                                            "is dropped and its legs cancelled (nginx send_timeout)", "posf"),
         "max_connections": Key(int, 4096, "public port: open connections at once; a new one beyond this gets a "
-                                          "503 and is closed", "pos"),
-        "max_header_bytes": Key(int, 65536, "public port: request line and headers larger than this get 431",
-                                "pos"),
+                                          "503 and is closed", "conns"),
+        "max_header_bytes": Key(int, 65536, "public port: request line and headers larger than this get 431 (counted "
+                                                   "while they arrive)", "bytes1k"),
         "max_body_bytes": Key(int, 32 * 1024 * 1024, "public port: request bodies larger than this get 413",
-                              "pos"),
+                              "bytes1k"),
     },
     "kv_server": {
         "kind": Key(str, "", "lmcache (real server) or twin ('' = lmcache for vllm engines, twin for twin)",
@@ -159,7 +159,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "heartbeat_s": Key(float, 2.0, "workers' lmcache.mp.heartbeat_interval; RestartSec is 2.5x this", "posf"),
         "watchdog_s": Key(float, 30.0, "systemd WatchdogSec of pd-kvcache: restarted when its /healthcheck does "
                                        "not answer within this (a wedged LMCache server, LMCache issue 4676; "
-                                       "0 = no watchdog)", "nonnegf"),
+                                       "0 = no watchdog; else >= 5)", "watchdog"),
         "worker_reap_timeout_s": Key(float, 120.0, "lmcache server --worker-reap-timeout-seconds: a worker silent "
                                                    "this long is unregistered (0 = never; else >= 30)", "reap"),
     },
@@ -254,6 +254,14 @@ def _check(path: Path | str, dotted: str, spec: Key, value: Any) -> Any:
         raise _err(path, dotted, f"must be decode or fail, got {value!r}")
     if c == "reap" and not (value == 0 or value >= 30):
         raise _err(path, dotted, f"must be 0 (never reap) or >= 30 (LMCache refuses less), got {value}")
+    if c == "watchdog" and not (value == 0 or value >= 5):
+        raise _err(path, dotted, f"must be 0 (no watchdog) or >= 5 s (the health probe behind each ping needs "
+                                 f"time to answer), got {value}")
+    if c == "conns" and not 1 <= value <= 1_000_000:
+        raise _err(path, dotted, f"must be between 1 and 1000000 (pd-proxy's LimitNOFILE is 1048576), got {value}")
+    if c == "bytes1k" and value < 1024:
+        raise _err(path, dotted, f"must be >= 1024 bytes (less cannot hold a request line and its usual headers), "
+                                 f"got {value}")
     if c == "kvkind" and value not in ("", "lmcache", "twin"):
         raise _err(path, dotted, f"must be lmcache or twin, got {value!r}")
     if c in ("path", "path?") and not (c == "path?" and value == "") and not _SAFE_PATH.match(value):
@@ -366,7 +374,9 @@ def template() -> str:
     """The documented default file (``etc/pdctl.toml``), generated from SCHEMA."""
     lines = ["# /etc/pdctl/pdctl.toml — pdctl settings. Every key, its default and what it does.",
              "# Precedence: CLI flag > PDCTL_<SECTION>_<KEY> environment > this file > defaults.",
-             "# After editing: `sudo pdctl apply` re-plans and restarts only the units whose config changed.",
+             "# After editing: `sudo pdctl apply` re-plans and restarts only the units whose config changed",
+             "# (when only the proxy's part of the plan changed, e.g. [listener] limits, it reloads the proxy:",
+             "# no connection is dropped; its address, drain_timeout_s and watchdog_s restart it).",
              "", f"schema_version = {SCHEMA_VERSION}"]
     for section, keys in SCHEMA.items():
         lines += ["", f"[{section}]"]

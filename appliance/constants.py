@@ -33,6 +33,7 @@ TARGET_UNIT = "pd.target"
 KV_UNIT = "pd-kvcache.service"
 WORKER_TEMPLATE = "pd-worker@.service"
 PROXY_UNIT = "pd-proxy.service"
+PROXY_SOCKET = "pd-proxy.socket"    # holds the proxy's listening sockets across its restarts
 
 
 def worker_unit(instance: str) -> str:

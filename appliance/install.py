@@ -26,7 +26,7 @@ from .config import resolve, to_toml
 from .inventory import InventoryError, detect
 from .plan import Plan
 from .plan_settings import plan_from_settings
-from .units import RenderedFile, affected_units, render, write_tree
+from .units import RenderedFile, affected_units, proxy_reloadable, render, write_tree
 
 GiB = 1024**3
 
@@ -282,9 +282,20 @@ def apply_files(root: Path, files: dict, plan: Plan, start: bool, restart: bool,
         changed = changed - set(units)
     if active and restart and changed:
         units = _relevant_units(changed, plan)
+        if C.PROXY_SOCKET in units:   # new addresses: the socket unit cannot restart under its running service
+            units = [u for u in units if u not in (C.PROXY_SOCKET, C.PROXY_UNIT)]
+            info(f"restarting {C.PROXY_SOCKET} and {C.PROXY_UNIT} (the proxy's addresses changed: clients are "
+                 "refused until it listens again)")
+            systemctl("stop", C.PROXY_UNIT, C.PROXY_SOCKET, timeout=120)
+            systemctl("start", C.PROXY_SOCKET, C.PROXY_UNIT, timeout=120)
+        elif C.PROXY_UNIT in units and proxy_reloadable(old, files):
+            units.remove(C.PROXY_UNIT)
+            info(f"reloading {C.PROXY_UNIT} (only its settings changed: no connection is dropped)")
+            systemctl("reload", C.PROXY_UNIT, timeout=60)
         for u in units:
             info(f"restarting {u} (its configuration changed)")
-        systemctl("restart", *units, timeout=600)
+        if units:
+            systemctl("restart", *units, timeout=600)
     elif not active:
         info("starting pd.target")
         r = systemctl("start", "--no-block", C.TARGET_UNIT)
@@ -389,7 +400,7 @@ def run_uninstall(args: argparse.Namespace) -> int:
         raise CliError("must run as root: re-run with sudo", EXIT_BAD)
     sysd = root / "etc/systemd/system"
     etc = root / str(C.ETC_DIR).lstrip("/")
-    units = [C.TARGET_UNIT, C.PROXY_UNIT, C.KV_UNIT]
+    units = [C.TARGET_UNIT, C.PROXY_UNIT, C.PROXY_SOCKET, C.KV_UNIT]
     if live:
         plan_file = etc / "plan.json"
         workers = []
@@ -399,7 +410,8 @@ def run_uninstall(args: argparse.Namespace) -> int:
             except (ValueError, KeyError):
                 workers = []
         info("stopping pd.target")
-        systemctl("stop", C.TARGET_UNIT, *[C.worker_unit(w) for w in workers], C.PROXY_UNIT, C.KV_UNIT, timeout=300)
+        systemctl("stop", C.TARGET_UNIT, *[C.worker_unit(w) for w in workers], C.PROXY_UNIT, C.PROXY_SOCKET,
+                  C.KV_UNIT, timeout=300)
         systemctl("disable", C.TARGET_UNIT, *units)
     for name in units + [C.WORKER_TEMPLATE]:
         p = sysd / name

@@ -29,7 +29,7 @@ def planner_inputs(s: Settings) -> tuple[Workload, Overrides]:
         decode_port_base=ports["decode_base"], both_port_base=ports["both_base"], policy=px["policy"],
         thresholds=Thresholds(px["aggregate_max_uncached"], px["split_max_prefill_backlog"],
                               px["split_idle_max_running"], px["consumer_max_uncached"]), heartbeat_s=kv["heartbeat_s"],
-        kv_server=kv["kind"], kv_connector=p["kv_connector"], extra_engine_args=tuple(p["extra_engine_args"]))
+        worker_reap_timeout_s=kv["worker_reap_timeout_s"], kv_server=kv["kind"], kv_connector=p["kv_connector"], extra_engine_args=tuple(p["extra_engine_args"]))
     return work, ov
 
 

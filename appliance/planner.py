@@ -12,6 +12,7 @@ from . import constants as C
 from .engine_flags import DEFAULT_CPU_VERSION, DEFAULT_GPU_VERSION, flags_for
 from .inventory import GPU, Inventory
 from .models import ModelProfile
+from .config import default as _d
 from .decide import Thresholds
 from .plan import KVServerPlan, Plan, ProxyPlan, WorkerPlan
 
@@ -67,6 +68,7 @@ class Overrides:
     thresholds: Thresholds = Thresholds()   # the adaptive policy's (config [proxy]); the ranking uses them too
     policy: str = "adaptive"
     heartbeat_s: float = 2.0
+    worker_reap_timeout_s: float = _d("kv_server", "worker_reap_timeout_s")   # lmcache server; 0 = never
     mq_timeout_s: float = 60.0
     kv_server: str = ""            # "" = real lmcache for vllm engines, twin for twin engines
     twin_hardware: str = ""        # hardware profile for twin engines ("" = from the GPU name)
@@ -214,6 +216,7 @@ def _kv_plan(inv: Inventory, n_workers: int, gpu_workers: int, ov: Overrides, re
                 "--max-workers", str(max(1, n_workers)), "--max-gpu-workers", str(max(1, gpu_workers))]
         if cpu_engine:
             argv += ["--supported-transfer-mode", "auto"]
+        argv += _reap_args(ov, reasons)
         argv = tuple(argv)
         env = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "PYTHONUNBUFFERED": "1"}
     reasons.append(f"KV server restarts after {restart:g} s (> 2 x the workers' {ov.heartbeat_s:g} s heartbeat, so "
@@ -221,6 +224,26 @@ def _kv_plan(inv: Inventory, n_workers: int, gpu_workers: int, ov: Overrides, re
     return KVServerPlan(kind=kind, zmq_port=ov.kv_zmq_port, http_port=ov.kv_http_port, l1_size_gb=float(l1),
                         argv=argv, env=env, max_workers=max(1, n_workers), heartbeat_s=ov.heartbeat_s,
                         restart_sec=restart)
+
+
+REGISTRATION_GRACE_S = 3600.0   # LMCache's own default: covers a worker's load between registering and serving
+
+
+def _reap_args(ov: Overrides, reasons: list[str]) -> list[str]:
+    """``lmcache server`` reaping: a worker silent for the reap timeout is unregistered. A live worker pings
+    every heartbeat (so never), but only after its first store/retrieve; before that LMCache judges it by the
+    registration grace, which must cover loading and is never below the reap timeout (else LMCache refuses
+    to start). The proxy's KV warm-up (proxy/warmup.py) starts every worker's heartbeat once it is healthy."""
+    reap = ov.worker_reap_timeout_s
+    if reap <= 0:
+        reasons.append("LMCache never reaps silent workers (worker_reap_timeout_s = 0): a crashed worker's "
+                       "registration stays until the KV server restarts")
+        return ["--worker-reap-timeout-seconds", "0"]
+    grace = max(REGISTRATION_GRACE_S, reap)
+    reasons.append(f"LMCache reaps a worker silent for {reap:g} s ({reap / ov.heartbeat_s:.0f} heartbeats of "
+                   f"{ov.heartbeat_s:g} s) and one that never pinged after {grace:g} s; the proxy warms every "
+                   "worker once it is healthy, which starts its heartbeat (LMCache issues 4715, 4795)")
+    return ["--worker-reap-timeout-seconds", f"{reap:g}", "--worker-registration-grace-seconds", f"{grace:g}"]
 
 
 def _check_ports(ov: Overrides, n_prefill: int, n_decode: int, n_both: int = 0) -> None:

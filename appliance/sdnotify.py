@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 _ENV = "NOTIFY_SOCKET"
 
@@ -67,6 +68,13 @@ def stopping(text: str | None = None) -> bool:
     return notify("STOPPING=1" + (f"\nSTATUS={_one_line(text)}" if text else ""))
 
 
+def reloading(text: str | None = None) -> bool:
+    """RELOADING=1 (with MONOTONIC_USEC=, which systemd >= 253 wants): configuration is being re-read; send
+    READY=1 when done (``ready``)."""
+    usec = int(time.monotonic() * 1_000_000)
+    return notify(f"RELOADING=1\nMONOTONIC_USEC={usec}" + (f"\nSTATUS={_one_line(text)}" if text else ""))
+
+
 def watchdog_period(environ: dict | None = None, pid: int | None = None) -> float | None:
     """Seconds between WATCHDOG=1 pings (half of ``WATCHDOG_USEC``), or None when no watchdog is armed.
 
@@ -90,4 +98,33 @@ def watchdog_period(environ: dict | None = None, pid: int | None = None) -> floa
 
 
 # Variables that describe *our* relation to systemd; a child engine must not inherit them.
-SYSTEMD_ONLY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+SYSTEMD_ONLY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+LISTEN_FDS_START = 3
+
+
+def listen_fds(environ: dict | None = None, pid: int | None = None, unset: bool = True) -> list[tuple[int, str]]:
+    """Sockets passed by systemd socket activation (sd_listen_fds(3)): ``[(fd, name), ...]``, or [] when none.
+
+    Valid only when ``LISTEN_PID`` is this process; fds start at 3 and get FD_CLOEXEC (they are ours, not a
+    child's). The variables are removed afterwards (``unset``), as sd_listen_fds(unset_environment=1) does.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        n, lpid = int(env.get("LISTEN_FDS", "")), int(env.get("LISTEN_PID", ""))
+    except ValueError:
+        return []
+    names = env.get("LISTEN_FDNAMES", "").split(":")
+    if unset:
+        for k in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"):
+            env.pop(k, None)
+    if n <= 0 or lpid != (os.getpid() if pid is None else pid):
+        return []
+    out = []
+    for i in range(n):
+        fd = LISTEN_FDS_START + i
+        try:
+            os.set_inheritable(fd, False)
+        except OSError:
+            continue          # not open: systemd passed fewer than it said; use what is there
+        out.append((fd, names[i] if i < len(names) and names[i] else "unknown"))
+    return out

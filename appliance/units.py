@@ -36,6 +36,19 @@ def env_file(env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+STOP_MARGIN_S = 15.0   # pd-proxy's TimeoutStopSec = drain_timeout_s + this (the drain ends first, then the exit)
+
+
+def listen_address(host: str, port: int) -> str:
+    """A ListenStream= value: ``0.0.0.0:9000``, ``[::]:9000``."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _watchdog(seconds: float) -> str:
+    """``WatchdogSec=`` line, or a comment when the watchdog is off (0)."""
+    return f"WatchdogSec={seconds:g}" if seconds > 0 else "# WatchdogSec= not set: the watchdog is off (0)"
+
+
 def _fill(template: str, values: dict) -> str:
     out = template
     for k, v in values.items():
@@ -63,7 +76,11 @@ def render(plan: Plan, settings_toml: str, venv: str = str(C.VENV_DIR), etc_dir:
         "MODE": plan.mode, "MODEL": plan.served_model_name, "CONFIG": str(etc_dir / "pdctl.toml"),
         "KV_KIND": plan.kv_server.kind, "L1_GB": f"{plan.kv_server.l1_size_gb:g}",
         "KV_RESTART_SEC": f"{plan.kv_server.restart_sec:g}", "ENGINE": plan.engine,
-        "PROXY_HOST": plan.proxy.host, "PROXY_PORT": str(plan.proxy.port),
+        "PROXY_HOST": plan.proxy.host, "PROXY_PORT": str(plan.proxy.port), "PROXY_SOCKET": C.PROXY_SOCKET,
+        "PROXY_LISTEN": listen_address(plan.proxy.host, plan.proxy.port),
+        "PROXY_INTERNAL": listen_address(C.LOOPBACK, plan.proxy.internal_port),
+        "PROXY_STOP_SEC": f"{plan.proxy.drain_timeout_s + STOP_MARGIN_S:g}",
+        "PROXY_WATCHDOG": _watchdog(plan.proxy.watchdog_s), "KV_WATCHDOG": _watchdog(plan.kv_server.watchdog_s),
     }
     sysd = "etc/systemd/system"
     etc = str(etc_dir).lstrip("/")
@@ -72,6 +89,7 @@ def render(plan: Plan, settings_toml: str, venv: str = str(C.VENV_DIR), etc_dir:
         f"{sysd}/{C.KV_UNIT}": RenderedFile(_fill((tdir / "pd-kvcache.service.in").read_text(), common)),
         f"{sysd}/{C.WORKER_TEMPLATE}": RenderedFile(_fill((tdir / "pd-worker@.service.in").read_text(), common)),
         f"{sysd}/{C.PROXY_UNIT}": RenderedFile(_fill((tdir / "pd-proxy.service.in").read_text(), common)),
+        f"{sysd}/{C.PROXY_SOCKET}": RenderedFile(_fill((tdir / "pd-proxy.socket.in").read_text(), common)),
         f"{etc}/pdctl.toml": RenderedFile(settings_toml, 0o644),
         f"{etc}/plan.json": RenderedFile(json.dumps(plan.to_json(), indent=2, sort_keys=True) + "\n", 0o644),
         f"{etc}/kvcache.env": RenderedFile(env_file(plan.kv_server.env), 0o600),
@@ -92,6 +110,24 @@ def write_tree(root: Path, files: dict) -> list[Path]:
     return out
 
 
+def proxy_reloadable(old: dict, new: dict) -> bool:
+    """The proxy's changes can be applied by ``systemctl reload pd-proxy`` (plan.json only: backends, policy,
+    thresholds, limits) rather than a restart: neither its unit files nor its addresses changed."""
+    def unit(tree: dict, name: str) -> str:
+        """The unit's text without its ordering lines: the worker list in Wants=/After= changes with a family
+        switch, which ``daemon-reload`` applies without touching the running process."""
+        f = next((f for k, f in tree.items() if Path(k).name == name), None)
+        return "" if f is None else "\n".join(ln for ln in f.text.splitlines()
+                                              if not ln.startswith(("Wants=", "After=")))
+    if unit(old, C.PROXY_UNIT) != unit(new, C.PROXY_UNIT) or unit(old, C.PROXY_SOCKET) != unit(new, C.PROXY_SOCKET):
+        return False
+    plans = [json.loads(t[p].text) for t in (old, new) for p in t if p.endswith("plan.json")]
+    if len(plans) != 2:
+        return False
+    where = ("host", "port", "internal_port")
+    return all(plans[0]["proxy"].get(k) == plans[1]["proxy"].get(k) for k in where)
+
+
 def affected_units(old: dict, new: dict) -> set[str]:
     """Units whose rendered inputs changed between two renders (for restart-only-what-changed)."""
     changed = {k for k in set(old) | set(new) if old.get(k) != new.get(k)}
@@ -106,6 +142,8 @@ def affected_units(old: dict, new: dict) -> set[str]:
             units.add("pd-worker@*")
         elif name == C.PROXY_UNIT:
             units.add(C.PROXY_UNIT)
+        elif name == C.PROXY_SOCKET:
+            units.update((C.PROXY_SOCKET, C.PROXY_UNIT))
     if any(Path(p).name == "plan.json" for p in changed):
         oldp = json.loads(old[[p for p in old if p.endswith("plan.json")][0]].text) if any(
             p.endswith("plan.json") for p in old) else {}

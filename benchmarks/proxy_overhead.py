@@ -7,6 +7,7 @@ chunk read. Every request through a proxy takes both legs (pdctl runs with --pd-
 
     .venv/bin/python benchmarks/proxy_overhead.py                # 60 and 300 req/s, then 600 req/s sustained
     .venv/bin/python benchmarks/proxy_overhead.py --rates 60 --duration 5 --no-sustained
+    .venv/bin/python benchmarks/proxy_overhead.py --baseline /tmp/pdctl-base   # + the proxy of another checkout
     sudo .venv/bin/python benchmarks/proxy_overhead.py --realtime      # on a box shared with other work
 
 vllm-router (PyPI ``vllm-router==0.1.17``, benchmark-only) is looked up on PATH and next to this Python.
@@ -228,23 +229,26 @@ def _router_bin() -> str | None:
     return str(cand) if cand.exists() else shutil.which("vllm-router")
 
 
-def start_target(name: str, p_port: int, d_port: int):
-    """(port, process) of the thing to load: the decoder itself, pdctl, or vllm-router."""
+def start_target(name: str, p_port: int, d_port: int, baseline: Path | None = None):
+    """(port, process) of the thing to load: the decoder itself, pdctl, pdctl-base (the same proxy from
+    another checkout, ``--baseline``), or vllm-router."""
     if name == "direct":
         return d_port, None
     port = _free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-    if name == "pdctl":
+    if name in ("pdctl", "pdctl-base"):
         argv = [sys.executable, "-m", "appliance", "proxy", "--listen", f"127.0.0.1:{port}",
                 "--internal", "127.0.0.1:0", "--prefill", p_url, "--decode", d_url, "--pd-min-prompt-tokens", "0"]
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cwd = ROOT if name == "pdctl" else baseline      # -m appliance imports the package under cwd first
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_http(f"http://127.0.0.1:{port}/ready", 30, proc)
     else:
         rb = _router_bin()
         if rb is None:
             raise RuntimeError("vllm-router is not installed (pip install vllm-router==0.1.17)")
         argv = [rb, "--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url, "--host", "127.0.0.1",
-                "--port", str(port), "--log-level", "error"]
+                "--port", str(port), "--log-level", "error",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]   # not its fixed 29000
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_http(f"http://127.0.0.1:{port}/v1/models", 60, proc)
     return port, proc
@@ -290,6 +294,9 @@ def main() -> int:
     ap.add_argument("--sustained-duration", type=float, default=20.0)
     ap.add_argument("--no-sustained", action="store_true")
     ap.add_argument("--json", type=Path, help="also write all results here")
+    ap.add_argument("--baseline", type=Path, metavar="DIR",
+                    help="also load pdctl-base: the proxy of another checkout (e.g. `git archive REV | tar -x -C "
+                         "DIR`), to compare a change with what it replaces in the same run")
     ap.add_argument("--realtime", action="store_true",
                     help="run everything (engines, proxies, load) under SCHED_FIFO (root): on a shared box, "
                          "other tenants' work then cannot land on the measurement; every target alike")
@@ -307,9 +314,12 @@ def main() -> int:
     try:
         _wait_http(f"http://127.0.0.1:{d_port}/health", 10, eng)
         _wait_http(f"http://127.0.0.1:{p_port}/health", 10, eng)
-        for name in a.targets:
+        targets = list(a.targets)
+        if a.baseline and "pdctl-base" not in targets:
+            targets.insert(targets.index("pdctl") + 1 if "pdctl" in targets else len(targets), "pdctl-base")
+        for name in targets:
             try:
-                port, proc = start_target(name, p_port, d_port)
+                port, proc = start_target(name, p_port, d_port, a.baseline)
             except RuntimeError as e:
                 print(f"{name}: not run: {e}")
                 continue
@@ -327,8 +337,9 @@ def main() -> int:
         if not a.no_sustained and "pdctl" in ports and "direct" in ports:
             rate = a.sustained_rate
             print(f"sustained {rate:g} req/s streamed ({a.sustained_duration:g} s each)")
-            res = measure({k: ports[k] for k in ("direct", "pdctl")}, rate, a.sustained_duration, a.slice * 2)
-            for name in ("direct", "pdctl"):
+            names = [k for k in ("direct", "pdctl", "pdctl-base") if k in ports]
+            res = measure({k: ports[k] for k in names}, rate, a.sustained_duration, a.slice * 2)
+            for name in names:
                 print(_row(name, res[name], res.get("direct") if name != "direct" else None), flush=True)
             ov99 = res["pdctl"]["p99_ms"] - res["direct"]["p99_ms"]
             good = res["pdctl"]["delivered_rps"] >= 0.97 * rate and res["pdctl"]["errors"] == 0 and ov99 < 30

@@ -17,7 +17,7 @@ from .. import constants as C
 from .backends import Backend
 from .breaker import Breaker
 from .config import ProxyConfig
-from . import render
+from . import lifecycle, render, warmup
 from .errors import NOT_FOUND, UNAUTHORIZED, ProxyError, bad_request, unavailable, upstream_failed
 from .legs import DecodeStream, Legs, Passthrough, decode_body
 from .metrics import ProxyMetrics
@@ -53,7 +53,7 @@ def error_response(err: ProxyError, request_id: str | None = None) -> Response:
 
 
 def _error_body(status: int, message: str, code: str) -> bytes:
-    kind = "invalid_request_error" if status < 500 else "internal_error"
+    kind = "invalid_request_error" if status < 500 else "service_unavailable" if status == 503 else "internal_error"
     return ProxyError(status, message, kind, code).body()
 
 
@@ -92,6 +92,7 @@ class ProxyServer:
         self._canary_long = True     # see canary_once
         self._servers: list = []
         self._tasks: list = []
+        self.sockets: dict = {}      # listening sockets handed over by systemd (lifecycle.adopt), by listener
         self.public_port = cfg.port
         self.internal_port = cfg.internal_port
         self._public = {("GET", "/health"): self.h_health, ("GET", "/ready"): self.h_ready,
@@ -138,23 +139,32 @@ class ProxyServer:
         self.watcher.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._canary_loop()))
         self._tasks.append(asyncio.get_running_loop().create_task(stall_loop(self)))
-        self.public_port = await self._listen(self._public, self.cfg.host, self.cfg.port, self.cfg.max_body_bytes)
+        self.public_port = await self._listen(self._public, self.cfg.host, self.cfg.port, lifecycle.PUBLIC)
         if self.cfg.internal_port is not None and self.cfg.internal_port >= 0:
             self.internal_port = await self._listen(self._internal, self.cfg.internal_host, self.cfg.internal_port,
-                                                    4 * 1024 * 1024)
+                                                    lifecycle.INTERNAL)
         gc.collect()
         gc.freeze()   # long-lived objects out of the collector's way: fewer pauses on the data path
 
-    async def _listen(self, routes: dict, host: str, port: int, max_body: int) -> int:
+    async def _listen(self, routes: dict, host: str, port: int, which: str) -> int:
         unknown = self.h_unknown
 
-        def dispatch(request):
-            return routes.get((request.method, request.path), unknown)(request)
+        def dispatch(request):   # HEAD is answered like GET (the server leaves the body out)
+            m = request.method
+            return routes.get(("GET" if m == "HEAD" else m, request.path), unknown)(request)
 
-        srv = LeanServer(dispatch, _error_body, max_body)
-        real = await srv.start(host, port)
+        srv = LeanServer(dispatch, _error_body, limits=lifecycle.limits(self.cfg, which))
+        real = await srv.start(host, port, self.sockets.pop(which, None))
         self._servers.append(srv)
         return real
+
+    def reload(self, new_cfg: ProxyConfig) -> list:
+        """Apply a re-read plan without dropping a connection (lifecycle.reload); returns what changed."""
+        return lifecycle.reload(self, new_cfg)
+
+    async def drain(self, timeout_s: float) -> list:
+        """Graceful stop, first half: stop accepting, finish what is in flight (lifecycle, LeanServer.drain)."""
+        return list(await asyncio.gather(*(s.drain(timeout_s) for s in self._servers)))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -331,6 +341,8 @@ class ProxyServer:
             "migrations": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("migration:")},
             "migrations_refused": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("migration_refused:")},
             "stalls": c.get("stalls", 0),
+            "listener": dict(self._servers[0].stats) if self._servers else {},   # closed or refused, by reason
+            "kv_warm": warmup.summary(self),     # each worker's LMCache heartbeat started (warmup.py)
             "chars_per_token": {"value": round(self.chars_per_token.value, 3), "learned": self.chars_per_token.learned},
             "telemetry": {"events": self.waiter.events, "matched": self.waiter.matched,
                           "unmatched": self.waiter.unmatched},

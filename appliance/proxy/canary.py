@@ -16,6 +16,7 @@ import time
 from .errors import ProxyError
 from .legs import Passthrough, decode_body
 from .telemetry import new_request_id
+from .warmup import warm_new_workers
 
 log = logging.getLogger("pdctl.proxy")
 CANARY_PROMPT = "pdctl readiness canary: " + " ".join(f"probe{i % 97} check" for i in range(200))
@@ -68,4 +69,9 @@ async def canary_loop(server) -> None:
         server.metrics.count("canary", "ok" if ok else "failed")
         if not ok:
             server._canary_long = True
+        else:   # every worker's LMCache heartbeat must run before it idles (warmup.py; LMCache 4715/4795)
+            try:
+                await warm_new_workers(server, CANARY_PROMPT, sorted(server.known_models())[0])
+            except Exception:  # noqa: BLE001 - a failed warm-up is retried with the next canary
+                log.exception("KV warm-up failed")
         await asyncio.sleep(server.cfg.canary_interval_s if ok else min(1.0, server.cfg.canary_interval_s))

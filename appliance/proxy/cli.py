@@ -118,11 +118,20 @@ def config_from_args(args, plan=None) -> ProxyConfig:
     return replace(cfg, **kw)
 
 
-async def serve(cfg: ProxyConfig, stop: asyncio.Event | None = None) -> None:
-    """Run until ``stop`` is set (or SIGTERM/SIGINT); tells systemd READY=1 once both ports listen."""
+async def serve(cfg: ProxyConfig, stop: asyncio.Event | None = None, reread=None) -> None:
+    """Run until ``stop`` is set (or SIGTERM/SIGINT), then drain; tells systemd READY=1 once both ports listen.
+
+    Sockets passed by systemd (pd-proxy.socket) are used instead of binding. SIGTERM/SIGINT drain (stop
+    accepting, finish in-flight answers up to ``drain_timeout_s``) before exiting; SIGHUP calls ``reread``
+    (a fresh ProxyConfig from the plan) and applies it with ``ProxyServer.reload``. With ``WATCHDOG_USEC`` set
+    the proxy pings systemd only while its own /health answers (lifecycle.watchdog_loop).
+    """
     from .. import sdnotify
+    from . import lifecycle
     from .app import ProxyServer
     server = ProxyServer(cfg)
+    server.sockets = lifecycle.adopt(sdnotify.listen_fds(), cfg)
+    adopted = sorted(server.sockets)
     try:
         await server.start()
     except OSError as e:
@@ -132,24 +141,52 @@ async def serve(cfg: ProxyConfig, stop: asyncio.Event | None = None) -> None:
                          f"{C.PROXY_UNIT})? Pick other ports with --listen/--internal")
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    log = logging.getLogger("pdctl.proxy")
     handled = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
+
+    def on_hup() -> None:
+        loop.create_task(_reload(server, reread, log))
+    for sig, fn in ((signal.SIGTERM, stop.set), (signal.SIGINT, stop.set), (signal.SIGHUP, on_hup)):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, fn)
             handled.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):
             pass
-    logging.getLogger("pdctl.proxy").warning("pdctl proxy listening on %s:%s (internal %s:%s), policy %s",
-                                             cfg.host, server.public_port, cfg.internal_host,
-                                             server.internal_port, cfg.policy)
-    sdnotify.ready(f"proxy on :{server.public_port}, {len(cfg.backends)} backends, policy {cfg.policy}")
+    how = f"sockets from systemd: {', '.join(adopted)}" if adopted else "bound by itself"
+    log.warning("pdctl proxy listening on %s:%s (internal %s:%s; %s), policy %s", cfg.host, server.public_port,
+                cfg.internal_host, server.internal_port, how, cfg.policy)
+    sdnotify.ready(lifecycle.serving_status(server))
+    period = sdnotify.watchdog_period()
+    wd = loop.create_task(lifecycle.watchdog_loop(server, period)) if period else None
     try:
         await stop.wait()
+        sdnotify.stopping(f"draining: finishing answers in flight (up to {server.cfg.drain_timeout_s:g} s)")
+        seen = await server.drain(server.cfg.drain_timeout_s)
+        log.warning("pdctl proxy drained: %s", seen)
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
+        if wd is not None:
+            wd.cancel()
         sdnotify.stopping("proxy shutting down")
         await server.stop()
+
+
+async def _reload(server, reread, log) -> None:
+    """SIGHUP: RELOADING=1, re-read the plan, apply it, READY=1 (a bad plan leaves the old one in force)."""
+    from .. import sdnotify
+    from . import lifecycle
+    sdnotify.reloading("re-reading the plan")
+    try:
+        if reread is None:
+            raise ValueError("this proxy was started without a plan to re-read")
+        new = reread()
+        changes = server.reload(new)
+        log.warning("pdctl proxy reloaded: %s", "; ".join(changes) or "nothing changed")
+        sdnotify.ready(lifecycle.serving_status(server))
+    except (SystemExit, ValueError, OSError) as e:    # ConfigError is a ValueError
+        log.error("pdctl proxy reload failed, the old configuration stays in force: %s", e)
+        sdnotify.ready(f"{lifecycle.serving_status(server)}; last reload failed: {e}")
 
 
 async def serve_plan(plan, stop: asyncio.Event | None = None, **overrides) -> None:
@@ -172,14 +209,18 @@ def run_from_plan(plan, **overrides) -> None:
 def main(args) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    plan = None
-    if not (args.prefill or args.decode or args.both):
-        from ..config import load_plan, resolve
-        plan = load_plan(args.config)
-        if args.api_key_file is None:      # the plan's (from [proxy] api_key_file), unless a flag overrides
-            key_file = plan.proxy.api_key_file or (resolve(Path(args.config)).get("proxy", "api_key_file")
-                                                   if Path(args.config).suffix == ".toml" else "")
-            args.api_key_file = Path(key_file) if key_file else None
-    cfg = config_from_args(args, plan)
-    _run(serve(cfg))
+    key_flag = args.api_key_file
+
+    def build() -> ProxyConfig:
+        """The config from the flags and (appliance mode) the installed plan; called again on SIGHUP."""
+        plan = None
+        if not (args.prefill or args.decode or args.both):
+            from ..config import load_plan, resolve
+            plan = load_plan(args.config)
+            if key_flag is None:      # the plan's (from [proxy] api_key_file), unless a flag overrides
+                key_file = plan.proxy.api_key_file or (resolve(Path(args.config)).get("proxy", "api_key_file")
+                                                       if Path(args.config).suffix == ".toml" else "")
+                args.api_key_file = Path(key_file) if key_file else None
+        return config_from_args(args, plan)
+    _run(serve(build(), reread=build))
     return 0

@@ -11,13 +11,15 @@ Each request (streaming completions, every 4th one non-streaming) gets exactly o
 - ``stream_error``  200 stream that ends with an SSE ``error`` event and no ``[DONE]``;
 - ``silent``        200 that ends cleanly (HTTP framing complete) without ``[DONE]`` or an error event, or
                     whose JSON has no choices (must never happen: the client would take a cut answer for whole);
-- ``cut``           the HTTP framing itself was cut (incomplete chunked body, reset): the client library
-                    raises, so it is not silent; expected only when the proxy process itself dies;
+- ``cut``           the HTTP framing itself was cut (incomplete chunked body, reset), or a request the
+                    proxy had accepted was closed before any answer: the client library raises, so it is
+                    not silent; expected only when the proxy process itself dies (lost in flight);
+- ``refused``       the connection itself was refused (nobody listening: a proxy restart without the socket);
 - ``done_after_error``  an error event followed by ``[DONE]`` (must never happen);
 - ``garbled``       a complete answer whose text is not the answer asked for (with CYCLE: the twin engines'
                     filler words, comma-separated; the answer to these prompts is MAX_TOKENS of them in order
                     from the first, so a repeated or lost piece of a continued stream shows);
-- ``other``         anything else: another status, a refused/reset connection (e.g. the proxy itself died).
+- ``other``         anything else: another status, a connect time-out.
 ``retried`` and ``migrated`` are the proxy's own retry and stream-migration counter deltas over the run
 (``/pdctl/status`` on the internal port), summed over proxy restarts. Prints one JSON line: counts, first
 examples per outcome, latencies.
@@ -117,6 +119,10 @@ def one(url: str, model: str, i: int, key: str, prompts: str = "unique", max_tok
             return "cut", f"{type(e).__name__} after {len(raw)} bytes"
         raw = b"".join(chunks)
         return classify_stream(r.status, raw, expect) if stream else classify_plain(r.status, raw, expect)
+    except ConnectionRefusedError as e:
+        return "refused", f"{type(e).__name__}: {e}"[:200]
+    except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+        return "cut", f"{type(e).__name__} before any answer"[:200]     # accepted, then lost with the process
     except (OSError, http.client.HTTPException) as e:
         return "other", f"{type(e).__name__}: {e}"[:200]
     finally:
@@ -140,7 +146,7 @@ def retries(status_url: str) -> tuple | None:
 def main(url: str, model: str, rate: float, seconds: float, status_url: str = "", key: str = "",
          prompts: str = "unique", max_tokens: int = 16, cycle: str = "") -> dict:
     counts = {k: 0 for k in ("ok", "e503", "stream_error", "silent", "cut", "done_after_error", "garbled",
-                             "other")}
+                             "refused", "other")}
     words = [w for w in cycle.split(",") if w]
     expect = "".join(" " + words[k % len(words)] for k in range(max_tokens)) if words else None
     examples: dict = {}

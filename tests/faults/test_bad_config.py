@@ -48,6 +48,25 @@ CASES = [
     ("tpot slo zero", '[workload]\ntpot_slo_ms = 0\n', "workload.tpot_slo_ms"),
     ("negative both count", '[plan]\nboth = -2\n', "plan.both"),
     ("duplicate key", "[ports]\nproxy = 9000\nproxy = 9001\n", "not valid TOML"),
+    # issue 19: lifecycle and the public listener
+    ("drain timeout zero", "[proxy]\ndrain_timeout_s = 0\n", "proxy.drain_timeout_s"),
+    ("proxy watchdog too short", "[proxy]\nwatchdog_s = 2\n", "proxy.watchdog_s"),
+    ("proxy watchdog negative", "[proxy]\nwatchdog_s = -10\n", "proxy.watchdog_s"),
+    ("kv watchdog too short", "[kv_server]\nwatchdog_s = 1.5\n", "kv_server.watchdog_s"),
+    ("kv watchdog as string", '[kv_server]\nwatchdog_s = "30s"\n', "kv_server.watchdog_s"),
+    ("reap timeout under LMCache's floor", "[kv_server]\nworker_reap_timeout_s = 10\n",
+     "kv_server.worker_reap_timeout_s"),
+    ("reap timeout negative", "[kv_server]\nworker_reap_timeout_s = -1\n", "kv_server.worker_reap_timeout_s"),
+    ("header timeout zero", "[listener]\nheader_timeout_s = 0\n", "listener.header_timeout_s"),
+    ("body timeout negative", "[listener]\nbody_timeout_s = -1\n", "listener.body_timeout_s"),
+    ("keepalive timeout NaN", "[listener]\nkeepalive_timeout_s = nan\n", "listener.keepalive_timeout_s"),
+    ("send timeout as string", '[listener]\nsend_timeout_s = "1m"\n', "listener.send_timeout_s"),
+    ("max connections zero", "[listener]\nmax_connections = 0\n", "listener.max_connections"),
+    ("max connections above the fd limit", "[listener]\nmax_connections = 5000000\n", "listener.max_connections"),
+    ("max connections as float", "[listener]\nmax_connections = 10.5\n", "listener.max_connections"),
+    ("header bytes tiny", "[listener]\nmax_header_bytes = 100\n", "listener.max_header_bytes"),
+    ("body bytes tiny", "[listener]\nmax_body_bytes = 10\n", "listener.max_body_bytes"),
+    ("unknown listener key", "[listener]\nmax_conns = 5\n", "listener.max_conns"),
 ]
 
 

@@ -136,7 +136,8 @@ def test_dry_run_tree(rendered):
                      "etc/pdctl/workers/both-0.env", "etc/pdctl/workers/both-1.env",
                      "etc/pdctl/workers/both-2.env", "etc/pdctl/workers/both-3.env",
                      "etc/systemd/system/pd-kvcache.service", "etc/systemd/system/pd-proxy.service",
-                     "etc/systemd/system/pd-worker@.service", "etc/systemd/system/pd.target"]
+                     "etc/systemd/system/pd-proxy.socket", "etc/systemd/system/pd-worker@.service",
+                     "etc/systemd/system/pd.target"]
     assert (rendered / "etc/pdctl/workers/both-0.env").stat().st_mode & 0o777 == 0o600
     env = (rendered / "etc/pdctl/workers/both-0.env").read_text()
     assert 'LMCACHE_REQUEST_TELEMETRY_ENDPOINT="http://127.0.0.1:9001/api/v1/telemetry"' in env
@@ -145,6 +146,13 @@ def test_dry_run_tree(rendered):
         if line.startswith("Exec"):
             assert "sh -c" not in line and "bash" not in line
     assert "PartOf=pd.target" in units and "WantedBy=pd.target" in units and "Wants=pd-kvcache.service" in units
+    sock = (rendered / "etc/systemd/system/pd-proxy.socket").read_text()
+    assert "ListenStream=0.0.0.0:9000\nListenStream=127.0.0.1:9001\n" in sock and "Accept=no" in sock
+    proxy = (rendered / "etc/systemd/system/pd-proxy.service").read_text()
+    assert "Requires=pd-proxy.socket" in proxy and "ExecReload=/bin/kill -HUP $MAINPID" in proxy
+    assert "TimeoutStopSec=45\n" in proxy and "WatchdogSec=10\n" in proxy      # drain 30 s + 15; [proxy] watchdog_s
+    assert "WatchdogSec=30\n" in (rendered / "etc/systemd/system/pd-kvcache.service").read_text()
+    assert "pd-proxy.socket pd-proxy.service" in (rendered / "etc/systemd/system/pd.target").read_text()
     plan = json.loads((rendered / "etc/pdctl/plan.json").read_text())
     # the default plan for the seed's traffic on 4 H200s: four kv_both workers (the twin's ranking)
     assert [w["instance"] for w in plan["workers"]] == ["both-0", "both-1", "both-2", "both-3"]
@@ -156,11 +164,12 @@ def test_units_verify_and_security(rendered, tmp_path):
     sysd = tmp_path / "units"
     shutil.copytree(rendered / "etc/systemd/system", sysd)
     (sysd / "pd-worker@prefill-0.service").symlink_to(sysd / "pd-worker@.service")
-    names = ["pd.target", "pd-kvcache.service", "pd-proxy.service", "pd-worker@prefill-0.service"]
+    names = ["pd.target", "pd-kvcache.service", "pd-proxy.service", "pd-worker@prefill-0.service",
+             "pd-proxy.socket"]
     r = subprocess.run(["systemd-analyze", "verify", "--man=no", "--recursive-errors=yes", *names],
                        cwd=sysd, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    for unit in names[1:]:
+    for unit in names[1:-1]:
         r = subprocess.run(["systemd-analyze", "security", "--offline=yes", unit], cwd=sysd, capture_output=True,
                            text=True, timeout=60)
         line = [ln for ln in r.stdout.splitlines() if "Overall exposure level" in ln][0]
@@ -181,11 +190,17 @@ def test_affected_units_only_what_changed(tmp_path):
     c = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"),
                   ov=Overrides(l1_size_gb=100, prefill=1, decode=3, policy="round-robin"))
     assert U.affected_units(same, U.render(c, "x")) == {"pd-proxy.service"}
+    assert U.proxy_reloadable(same, U.render(c, "x"))          # plan.json only: `systemctl reload pd-proxy`
+    p = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"),
+                  ov=Overrides(l1_size_gb=100, prefill=1, decode=3, proxy_port=9100))
+    assert U.affected_units(same, U.render(p, "x")) == {"pd-proxy.service", "pd-proxy.socket"}
+    assert not U.proxy_reloadable(same, U.render(p, "x"))      # a new port: the socket unit restarts
     # switching family (P/D -> hybrid): the workers whose role changed, the KV server (max workers unchanged
     # here, so not) and the proxy; the prefiller keeps running
     h = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=100, prefill=1, both=3))
     changed = U.affected_units(same, U.render(h, "x"))
     assert "pd-worker@prefill-0.service" not in changed and "pd-proxy.service" in changed
+    assert U.proxy_reloadable(same, U.render(h, "x"))       # new backends, the unit's worker list: a reload
     assert {"pd-worker@both-0.service", "pd-worker@decode-0.service"} <= changed
 
 

@@ -5,7 +5,8 @@ Faults are switched at run time with ``POST /_control {"mode": ...}``:
   ok | error500 | hang_gen (generation hangs, /health fine) | hang_all (everything hangs) |
   die_mid_stream (``after`` tokens, default 2, then the connection is cut) | stall_mid_stream (``after``
   tokens, then nothing more) | no_done (clean end without [DONE]) |
-  crash (the process exits on the next generation request) | die_before_first (cut before any byte)
+  crash (the process exits on the next generation request) | die_before_first (cut before any byte) |
+  flood (a completion stream of max_tokens chunks of 16 KiB each, uncapped: a client that stops reading)
 Answers come from a deterministic toy model: each answer token's id depends only on the previous token, its
 text is `` w<id>`` (which tokenizes back to that id), and ``return_token_ids`` is honoured as vLLM does, so
 a continuation from token ids or from text gives exactly the rest of the answer.
@@ -198,7 +199,7 @@ class Engine:
         prefix = "chatcmpl" if chat else "cmpl"
         vid = f"{prefix}-{rid}-0-8d6b96cd"
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 4)
-        n = min(n, 256)
+        n = min(n, 256) if self.mode != "flood" else n
         if self.telemetry and n == 1 and not body.get("stream"):
             asyncio.get_running_loop().create_task(self._post_store_finished(vid))
         created = int(time.time())
@@ -248,7 +249,8 @@ class Engine:
                                        "finish_reason": fin, "token_ids": [t] if want_ids else None}]}
                 else:
                     ch = {"id": vid, "object": "text_completion", "created": created, "model": MODEL,
-                          "choices": [{"index": 0, "text": f" w{t}", "logprobs": None, "finish_reason": fin,
+                          "choices": [{"index": 0, "text": f" w{t}" if self.mode != "flood" else "x" * 16384,
+                                       "logprobs": None, "finish_reason": fin,
                                        "stop_reason": None, "prompt_token_ids": pids if want_ids and i == 0
                                        else None, "token_ids": [t] if want_ids else None}]}
                 await resp.write(b"data: " + json.dumps(ch).encode() + b"\n\n")

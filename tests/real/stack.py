@@ -305,9 +305,12 @@ def build_model(venv: Path, out: Path, timeout_s: float = 120) -> tuple[Path, fl
     return Path(r.stdout.strip().splitlines()[-1]), time.monotonic() - t0
 
 
-def plan_for(model_dir: Path, venv: Path, ports: dict, l1_size_gb: float, workdir: Path) -> dict:
-    """``pdctl plan --engine vllm-cpu --model DIR --gpus none --json`` with ports and venv via PDCTL_* env."""
+def plan_for(model_dir: Path, venv: Path, ports: dict, l1_size_gb: float, workdir: Path,
+             settings_env: dict | None = None) -> dict:
+    """``pdctl plan --engine vllm-cpu --model DIR --gpus none --json`` with ports and venv via PDCTL_* env
+    (``settings_env``: more PDCTL_<SECTION>_<KEY> settings)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
+    env.update(settings_env or {})
     env.update({
         "PDCTL_INSTALL_ENGINE_VENV": str(venv),
         "PDCTL_PORTS_KV_ZMQ": str(ports["kv_zmq"]),

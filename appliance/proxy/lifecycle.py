@@ -1,0 +1,182 @@
+"""The proxy's life under systemd: sockets handed over, limits of its listeners, reload, drain and watchdog.
+
+Why: a proxy restart must refuse nobody. ``pd-proxy.socket`` holds the listening sockets, so connections
+that arrive while the proxy restarts wait in the kernel's backlog; the proxy takes them from
+``LISTEN_FDS`` (``adopt``) and binds itself only when none are passed (standalone, demo, tests). A stop
+drains (``ProxyServer.drain``), a ``SIGHUP`` re-reads the plan without dropping a connection (``reload``:
+unchanged backends keep their breakers and pools), and the watchdog pings systemd only while the proxy's
+own ``/health`` answers through its own listener.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import replace
+
+from .. import sdnotify
+from .backends import Backend
+from .breaker import Breaker
+from .routing import POLICIES
+from .server import Limits
+
+log = logging.getLogger("pdctl.proxy")
+PUBLIC, INTERNAL = "public", "internal"
+INTERNAL_MAX_BODY = 4 * 1024 * 1024     # telemetry events and status reads only
+
+
+def limits(cfg, which: str = PUBLIC) -> Limits:
+    """The listener limits from the config ([listener]); the loopback port takes small bodies only."""
+    return Limits(header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
+                  keepalive_timeout_s=cfg.keepalive_timeout_s, send_timeout_s=cfg.send_timeout_s,
+                  max_connections=cfg.max_connections, max_header_bytes=cfg.max_header_bytes,
+                  max_body_bytes=cfg.max_body_bytes if which == PUBLIC else INTERNAL_MAX_BODY)
+
+
+def adopt(fds: list, cfg) -> dict:
+    """Match sockets passed by systemd (``sdnotify.listen_fds``) to the proxy's two listeners.
+
+    By name when the socket unit named them ``public``/``internal``, else by the port each is bound to
+    (one socket unit holding both ports names them alike). A socket that matches neither is closed, with a
+    warning: the plan's port changed without the socket unit (``pdctl apply`` restarts it then).
+    """
+    out: dict = {}
+    for fd, name in fds:
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as e:
+            log.warning("socket activation: fd %d (%s) is not a socket: %s", fd, name, e)
+            continue
+        try:
+            port = sock.getsockname()[1]
+        except (OSError, IndexError, TypeError):
+            port = None
+        which = name if name in (PUBLIC, INTERNAL) else (
+            PUBLIC if port == cfg.port else INTERNAL if port == cfg.internal_port else None)
+        if which is None or which in out or sock.type != socket.SOCK_STREAM:
+            log.warning("socket activation: fd %d (%s, port %s) matches neither the public port %s nor the "
+                        "internal port %s; ignoring it and binding myself", fd, name, port, cfg.port,
+                        cfg.internal_port)
+            sock.close()
+            continue
+        sock.setblocking(False)
+        out[which] = sock
+    return out
+
+
+def reload(server, new) -> list[str]:
+    """Apply a re-read plan to a running proxy; returns what changed (one line each).
+
+    Backends are matched by URL: an unchanged one keeps its Backend (breaker, pools, scraped load, counters);
+    a new one starts closed; a removed one leaves the routing at once and its connections close when its
+    legs in flight have ended. Listen addresses cannot change here (the socket unit owns them): such a
+    change is reported and needs ``systemctl restart pd-proxy.socket pd-proxy``. Raises ValueError for a
+    config the proxy cannot run (the old one stays in force).
+    """
+    old = server.cfg
+    if new.policy not in POLICIES:
+        raise ValueError(f"unknown proxy policy {new.policy!r}: choose one of {', '.join(POLICIES)}")
+    changes = []
+    where = ("host", "port", "internal_host", "internal_port")
+    if any(getattr(new, k) != getattr(old, k) for k in where):
+        changes.append("listen addresses changed (" + ", ".join(f"{k} {getattr(old, k)} -> {getattr(new, k)}"
+                                                                for k in where if getattr(new, k) != getattr(old, k))
+                       + "): kept the old ones; `systemctl restart pd-proxy.socket pd-proxy` applies them")
+        new = replace(new, **{k: getattr(old, k) for k in where})
+    by_url = {b.spec.url: b for b in server.backends}
+    backends = []
+    for spec in new.backends:
+        b = by_url.pop(spec.url, None)
+        if b is None:
+            b = Backend(spec, Breaker(new.breaker_failures, new.breaker_open_s))
+            b.pool.connect_timeout_s = b.probe_pool.connect_timeout_s = new.connect_timeout_s
+            changes.append(f"added backend {spec.label} ({spec.role}, {spec.url})")
+        elif b.spec != spec:
+            changes.append(f"backend {spec.label}: {b.spec.role} -> {spec.role}" if b.spec.role != spec.role
+                           else f"backend {spec.label}: updated")
+            b.spec = spec
+        backends.append(b)
+    for b in by_url.values():
+        changes.append(f"removed backend {b.label} ({b.url})")
+        asyncio.get_running_loop().create_task(_retire(b, new.drain_timeout_s))
+    prefill = [b for b in backends if b.spec.role == "prefill"]
+    decode = [b for b in backends if b.spec.role in ("decode", "both")]
+    extra = {"thresholds": new.thresholds} if new.policy == "adaptive" else {}
+    policy = POLICIES[new.policy](prefill, decode, new.pd_min_prompt_tokens, server.prefix, **extra)
+    if hasattr(policy, "chars_per_token"):
+        policy.chars_per_token = lambda: server.chars_per_token.value
+    if new.policy != old.policy or new.thresholds != old.thresholds \
+            or new.pd_min_prompt_tokens != old.pd_min_prompt_tokens:
+        changes.append(f"policy {new.policy}, thresholds {new.thresholds}, pd_min_prompt_tokens "
+                       f"{new.pd_min_prompt_tokens}")
+    changed_keys = sorted(k for k in new.__dataclass_fields__ if k not in ("backends", "thresholds", "policy",
+                                                                         "pd_min_prompt_tokens", *where)
+                          and getattr(new, k) != getattr(old, k))
+    if changed_keys:
+        changes.append("settings: " + ", ".join(k for k in changed_keys if "key" not in k)
+                       + (" (API keys re-read)" if any("key" in k for k in changed_keys) else ""))
+    server.backends, server.policy, server.cfg = backends, policy, new
+    server._public.pop(("GET", "/pdctl/status"), None)
+    if new.public_status:
+        server._public[("GET", "/pdctl/status")] = server.h_public_status
+    for srv, which in zip(server._servers, (PUBLIC, INTERNAL)):
+        srv.set_limits(limits(new, which))
+    return changes
+
+
+async def _retire(b, grace_s: float) -> None:
+    """A backend that left the plan: close its connections once its legs in flight have ended (bounded)."""
+    deadline = time.monotonic() + max(1.0, grace_s)
+    while (b.inflight or b.pending) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    b.pool.close()
+    b.probe_pool.close()
+
+
+def serving_status(server) -> str:
+    """The STATUS= line while serving (systemctl status pd-proxy)."""
+    return f"proxy on :{server.public_port}, {len(server.backends)} backends, policy {server.cfg.policy}"
+
+
+async def own_health(host: str, port: int, timeout_s: float) -> str:
+    """'' when GET /health through our own listener answers 200 within ``timeout_s``, else why not."""
+    target = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    try:
+        r, w = await asyncio.wait_for(asyncio.open_connection(target, port), timeout_s)
+    except (OSError, asyncio.TimeoutError) as e:
+        return f"connect to {target}:{port}: {e or 'timed out'}"
+    try:
+        w.write(b"GET /health HTTP/1.1\r\nHost: watchdog\r\nConnection: close\r\n\r\n")
+        line = await asyncio.wait_for(r.readline(), timeout_s)
+        if line.startswith(b"HTTP/1.1 200"):
+            return ""
+        return f"/health answered {line[:40]!r}"
+    except (OSError, asyncio.TimeoutError) as e:
+        return f"/health gave no answer within {timeout_s:g} s ({type(e).__name__})"
+    finally:
+        w.close()
+
+
+async def watchdog_loop(server, period_s: float) -> None:
+    """WATCHDOG=1 every ``period_s`` while /health answers through the public and the internal listener
+    within the period: a wedged event loop or a listener that stopped accepting stops the pings, and
+    systemd restarts the proxy (WatchdogSec). A client flood at max_connections answers 503, which still
+    proves the loop and the listener alive, so it does not count against the proxy."""
+    failing = False
+    while True:
+        t0 = time.monotonic()
+        why = await own_health(server.cfg.host, server.public_port, period_s)
+        if why.startswith("/health answered b'HTTP/1.1 503"):
+            why = ""
+        if not why and server.cfg.internal_port:
+            why = await own_health(server.cfg.internal_host, server.internal_port, period_s)
+        if why:
+            log.warning("watchdog: not pinging systemd: %s", why)
+            sdnotify.status(f"unhealthy, watchdog pings stopped: {why}")
+        else:
+            sdnotify.watchdog()
+            if failing:
+                sdnotify.status(serving_status(server))
+        failing = bool(why)
+        await asyncio.sleep(max(0.0, period_s - (time.monotonic() - t0)))
