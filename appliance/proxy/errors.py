@@ -38,6 +38,8 @@ def upstream_failed(message: str, code: str = "upstream_error") -> ProxyError:
 
 UNAUTHORIZED = ProxyError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the key in the "
                                "proxy's --api-key-file)", "authentication_error", "invalid_api_key")
-NOT_FOUND = ProxyError(404, "no such route: the proxy serves /v1/models, /v1/completions, /v1/chat/completions, "
-                            "/v1/completions/render, /v1/chat/completions/render, /tokenize, /health, /ready, "
-                            "/metrics", "invalid_request_error", "not_found")
+NOT_FOUND = ProxyError(404, "no such route: the proxy serves /v1/models[/{id}], /v1/completions, "
+                            "/v1/chat/completions, /v1/responses (and /v1/responses/{id}[/cancel]), "
+                            "/v1/completions/render, /v1/chat/completions/render, /tokenize, /detokenize, /version, "
+                            "the pooling routes (/v1/embeddings, /v1/rerank, /v1/score ...), /health, /ready, "
+                            "/metrics (README: OpenAI compatibility)", "invalid_request_error", "not_found")
