@@ -245,3 +245,25 @@ def test_a_crashing_check_is_a_value_not_an_exception(monkeypatch):
     out = K.evaluate(plan, facts(plan))
     assert out[0].name == "boom" and out[0].status == "warn" and "boom" in out[0].detail
     assert K.exit_code(out) in (0, 1)
+
+
+def test_tool_calling_warns_when_tools_are_asked_for_without_a_parser():
+    off = gpu_plan(tool_call_parser="none")
+    st = {"features": {"tools": 3}}
+    c = K.check_tool_calling(off, facts(off, proxy_status=st))
+    assert c.status == "warn" and "3 request(s) with tools" in c.detail and "tool_call_parser" in c.fix, c
+    c = K.check_tool_calling(off, facts(off, proxy_status={"features": {}}))
+    assert c.status == "ok" and "tool calling off" in c.detail, c
+    c = K.check_tool_calling(off, facts(off))                    # the proxy is down: say so, judge the argv
+    assert c.status == "ok" and "proxy status unreadable" in c.detail, c
+    on = gpu_plan()                                              # llama-3.1-8b: llama3_json from the registry
+    c = K.check_tool_calling(on, facts(on, proxy_status=st))
+    assert c.status == "ok" and "--tool-call-parser llama3_json on every worker" in c.detail, c
+    mixed = replace(on, workers=(on.workers[0], replace(on.workers[1], argv=off.workers[1].argv)))
+    c = K.check_tool_calling(mixed, facts(mixed, proxy_status=st))
+    assert c.status == "warn" and "but decode-0 run(s) without --tool-call-parser" in c.detail, c
+    c = K.check_tool_calling(mixed, facts(mixed, proxy_status={"features": {}}))
+    assert c.status == "warn" and "prefill-0: llama3_json, decode-0: off" in c.detail, c
+    twin = make_plan(detect("fake:2xH200"), resolve_model("llama-3.1-8b"), Workload(),
+                     Overrides(engine="twin", prefill=1, decode=1))
+    assert K.check_tool_calling(twin, facts(twin)).status == "na"
