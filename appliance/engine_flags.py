@@ -81,10 +81,13 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
                      "remaining ids, for completions and for chat answers; /tokenize gives the same prompt ids",
         openai_surface="measured 2026-12-02 (tests/real/test_openai_surface_cpu.py): hermes parser with "
                        "VLLM_ENFORCE_STRICT_TOOL_CALLING=0 gives a named tool call whose arguments follow the tool's "
-                       "schema; xgrammar + disable_any_whitespace ends JSON-schema output on a random-weight model "
-                       "(structural tags do not: whitespace); llama3_json refuses to start without <|python_tag|> in "
-                       "the tokenizer; /v1/responses takes and returns kv_transfer_params, streams typed events "
-                       "without [DONE]; GET /v1/models/{id} and the pooling routes answer 404 {\"detail\"}"),
+                       "schema (chat and /v1/responses); xgrammar + disable_any_whitespace ends JSON-schema output on "
+                       "a random-weight model; /v1/responses takes kv_transfer_params (the P leg's KV loads on the "
+                       "D worker) and streams typed events without [DONE]; GET /v1/models/{id} and the pooling "
+                       "routes answer 404 {\"detail\": \"Not Found\"}. Seen by hand the same day: with strict "
+                       "tool calling (the default) the model's own markup lets a random model pad the arguments "
+                       "with whitespace until max_tokens; llama3_json refuses to start on a tokenizer without "
+                       "<|python_tag|>"),
 }
 DEFAULT_GPU_VERSION = "0.26.0"
 DEFAULT_CPU_VERSION = "0.32.0+cpu"

@@ -12,7 +12,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from .errors import ProxyError, unavailable, upstream_failed
+from .errors import ProxyError, engine_refusal, unavailable, upstream_failed
 from .migrate import with_token_ids
 from .responses import PATH as RESPONSES_PATH, prefill_body as responses_prefill_body
 from .upstream import Conn, UpstreamError
@@ -71,6 +71,15 @@ async def _post_whole(b, path: str, data: bytes, headers: dict, timeout: float, 
         b.pending.discard(conn)
         conn.release()
     return status, ctype, raw
+
+
+def _answered(status: int, raw: bytes, ctype: str, backend, method: str, path: str) -> "Passthrough":
+    """An engine's whole answer for the client; a refusal (4xx) in OpenAI's shape whatever the engine sent."""
+    if status >= 400:
+        shaped = engine_refusal(status, raw, method, path)
+        if shaped is not None:
+            return Passthrough(status, shaped, "application/json", backend)
+    return Passthrough(status, raw, ctype, backend)
 
 
 class LegFailure(Exception):
@@ -184,7 +193,7 @@ class Legs:
             if status >= 500:
                 raise LegFailure(f"{b.label}: prefill answered HTTP {status}: {raw[:160]!r}")
             if status != 200:
-                return Passthrough(status, raw, ctype)
+                return _answered(status, raw, ctype, b, "POST", path)
             return PrefillResult(b, _kv_params(raw, b.label), time.monotonic() - t0)
 
         pick = s.policy.pick_prefill if avoid is None else (lambda ex: s.policy.pick_prefill(set(ex) | {avoid}))
@@ -220,7 +229,7 @@ class Legs:
                     raw = await conn.read_all(timeout)
                     ok = True
                     conn.release()
-                    return Passthrough(status, raw, ctype, b)
+                    return _answered(status, raw, ctype, b, "POST", path)
                 head = await conn.read(timeout)
                 if not head:
                     raise LegFailure(f"{b.label}: decode stream ended before the first byte")
@@ -264,7 +273,7 @@ class Legs:
             status, ctype, raw = await _post_whole(b, path, data, headers, timeout, method)
             if status >= 500:
                 raise LegFailure(f"{b.label}: {path} answered HTTP {status}: {raw[:160]!r}")
-            return Passthrough(status, raw, ctype, b)
+            return _answered(status, raw, ctype, b, method, path.split("?")[0])
 
         out = await self._attempts("utility", pick, call)
         if isinstance(out, list):

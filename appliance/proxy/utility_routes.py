@@ -5,7 +5,7 @@
 - ``POST /v1/embeddings``, ``/v2/embed``, ``/pooling``, ``/classify``, ``/score``, ``/v1/score``, ``/rerank``,
   ``/v1/rerank``, ``/v2/rerank``, ``/v1/responses/render``: forwarded the same way; the engine's own answer goes
   back. A generative model's engine does not register the pooling routes, so it answers FastAPI's bare
-  ``{"detail": "Not Found"}``: that 404 keeps its status and words, in OpenAI's error shape.
+  ``{"detail": "Not Found"}``: that 404 keeps its status and words, in OpenAI's error shape (legs.py).
 - ``GET /v1/models/{id}``: vLLM (0.32) serves only the list, so the proxy answers from what the engines
   report on ``GET /v1/models`` (the same card as the list), or 404 ``model_not_found``.
 - ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: sent to the engine that holds the stored
@@ -19,7 +19,6 @@ from urllib.parse import unquote
 
 from . import responses as RS
 from .errors import UNAUTHORIZED, ProxyError, bad_request
-from .legs import Passthrough
 from .server import Response
 from .telemetry import new_request_id
 
@@ -41,23 +40,12 @@ def _error(err: ProxyError, rid: str | None) -> Response:
     return Response(err.body(), err.status, {"X-Request-Id": rid} if rid else None)
 
 
-def _answer(server, route: str, out, rid: str, path: str, method: str = "POST") -> Response:
-    """An engine's answer (Passthrough) or the proxy's error, counted; FastAPI's bare 404/405 in OpenAI's shape."""
+def _answer(server, route: str, out, rid: str) -> Response:
+    """An engine's answer (Passthrough: a refusal already in OpenAI's shape, legs.py) or the proxy's error, counted."""
     if isinstance(out, ProxyError):
         server._count(route, "unavailable" if out.status == 503 else "upstream_error")
         return _error(out, rid)
     server._count(route, "ok" if out.status == 200 else "client_error")
-    if out.status in (404, 405):
-        try:
-            detail = json.loads(out.body).get("detail")
-        except (ValueError, AttributeError, UnicodeDecodeError):
-            detail = None
-        if isinstance(detail, str):
-            why = ("the engines serve a generative model; embeddings, rerank, score, classify and pooling need a "
-                   "pooling model" if path in POOLING_PATHS else "this engine version does not serve it")
-            return _error(ProxyError(out.status, f"the engines do not serve {method} {path}: they answered "
-                                                 f"{out.status} {detail!r} ({why})", "invalid_request_error",
-                                     "route_not_served"), rid)
     return Response(out.body, out.status, {"Content-Type": out.content_type, "X-Request-Id": rid})
 
 
@@ -73,7 +61,7 @@ def _forward(path: str, route: str, check=None):
             if err is not None:
                 server._count(route, "client_error")
                 return _error(err, rid)
-        return _answer(server, route, await server.legs.utility(path, request.body, rid), rid, path)
+        return _answer(server, route, await server.legs.utility(path, request.body, rid), rid)
     return handler
 
 
@@ -91,7 +79,7 @@ async def _version(server, request):
     if not server._authorized(request):
         server._count("version", "unauthorized")
         return _error(UNAUTHORIZED, rid)
-    return _answer(server, "version", await server.legs.utility(VERSION, b"", rid, "GET"), rid, VERSION, "GET")
+    return _answer(server, "version", await server.legs.utility(VERSION, b"", rid, "GET"), rid)
 
 
 def fixed(server) -> dict:
@@ -151,7 +139,7 @@ async def _stored(server, request, resp_id: str, suffix: str):
     method = "POST" if suffix else "GET"
     only = None if home is None else (home,)     # nobody holds it: any one engine answers (its own 404)
     out = await server.legs.utility(path, request.body if suffix else b"", rid, method, only=only)
-    return _answer(server, route, out, rid, path.split("?")[0], method)
+    return _answer(server, route, out, rid)
 
 
 def parameterised(server, request):

@@ -51,7 +51,7 @@ async def test_pooling_routes_get_the_engines_answer_in_openai_shape(pd, path):
     got, raw = await send(pd.url, path, json.dumps({"model": "tiny", "input": "hello"}).encode())
     err = shape(raw)
     assert got == 404 and err["code"] == "route_not_served" and "'Not Found'" in err["message"], raw
-    assert "pooling model" in err["message"]
+    assert f"POST {path}" in err["message"] and "pooling model" in err["message"]
 
 
 async def test_same_key_and_methods(fresh, proxy_factory):
@@ -92,3 +92,15 @@ async def test_features_counted_for_the_doctor(pd, fresh):
         got, _ = await send(pd.url, "/v1/chat/completions", json.dumps(b).encode())
         assert got == 200
     assert pd.server.status()["features"] == {"tools": 1, "structured_output": 1}
+
+
+def test_engine_refusals_always_leave_in_openai_shape():
+    from appliance.proxy.errors import engine_refusal
+    vllm = json.dumps({"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}}).encode()
+    assert engine_refusal(400, vllm, "POST", "/v1/chat/completions") is None          # vLLM's own: kept
+    for status, raw, code in ((404, b'{"detail":"Not Found"}', "route_not_served"),
+                              (404, b"404: Not Found", "route_not_served"),        # aiohttp (the twin)
+                              (405, b'{"detail":"Method Not Allowed"}', "route_not_served"),
+                              (422, b"\xff\xfe not text", "engine_refused")):
+        err = shape(engine_refusal(status, raw, "POST", "/v1/responses"))
+        assert err["code"] == code and "POST /v1/responses" in err["message"], (status, raw)
