@@ -241,3 +241,15 @@ def test_dialect_reads_event_lines_only():
     assert d.ended()
     out = events(StreamDialect().error_sse(ProxyError(502, "broken", "upstream_error", "stream_broken")))
     assert [n for n, _ in out] == ["error"] and out[0][1]["sequence_number"] == 0
+
+
+async def test_the_holder_down_means_an_error_never_another_engine(pd, fresh):
+    status, _, raw = await post_stream(pd.url, BODY)
+    rid = json.loads(raw)["id"]
+    holder = next(n for n in ("d0", "d1") if legs(fresh)[n])
+    other = "d1" if holder == "d0" else "d0"
+    fresh[holder].mode("error500")
+    nxt = {"model": "tiny", "input": "again", "max_output_tokens": 2, "previous_response_id": rid}
+    status, _, raw = await post_stream(pd.url, nxt)
+    assert status in (502, 503) and shape(raw)["code"] in ("decode_failed", "no_decoder"), raw
+    assert len(legs(fresh)[other]) == 0 and len(legs(fresh)["p0"] + legs(fresh)["p1"]) == 1
