@@ -25,6 +25,7 @@ import tomli_w
 from . import constants as C
 
 SCHEMA_VERSION = 1
+SO_BACKENDS = ("", "auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")   # vLLM StructuredOutputsConfig
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/+@-]*$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -72,6 +73,25 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                         "comparisons only)"),
         "extra_engine_args": Key(list, [], "extra engine flags appended to every worker's argv, e.g. "
                                            "[\"--load-format\", \"dummy\"]"),
+        "tool_call_parser": Key(str, "", "tool calling: vLLM --enable-auto-tool-choice --tool-call-parser NAME ('' "
+                                         "= the model registry's parser for the model's family, off when it has "
+                                         "none; 'none' = off; else a vLLM parser name such as hermes, llama3_json, "
+                                         "deepseek_v3). Without one the engines refuse tool_choice auto", "parser"),
+        "strict_tool_calls": Key(bool, True, "tool_choice required / named: constrain the model's own tool-call "
+                                             "markup (vLLM's structural tags, its default); false "
+                                             "(VLLM_ENFORCE_STRICT_TOOL_CALLING=0): constrain the arguments to the "
+                                             "tool's JSON schema instead"),
+        "structured_outputs_backend": Key(str, "", "vLLM --structured-outputs-config backend for response_format / "
+                                                   "JSON schema output: xgrammar, guidance, outlines, "
+                                                   "lm-format-enforcer or auto ('' = the engine's default)",
+                                          "so_backend"),
+        "structured_outputs_compact": Key(bool, False, "structured JSON without whitespace (disable_any_whitespace; "
+                                                       "needs structured_outputs_backend xgrammar or guidance): a "
+                                                       "model that would pad JSON with whitespace still ends it"),
+        "responses_store": Key(bool, False, "Responses API store (VLLM_ENABLE_RESPONSES_API_STORE): engines keep "
+                                            "every stored response in memory, never freed, so previous_response_id "
+                                            "and GET /v1/responses/{id} work; the proxy routes them to the engine "
+                                            "that holds the response"),
     },
     "workload": {
         "input_len": Key(int, 7869, "typical prompt tokens (seed P50)", "pos"),
@@ -262,6 +282,11 @@ def _check(path: Path | str, dotted: str, spec: Key, value: Any) -> Any:
     if c == "bytes1k" and value < 1024:
         raise _err(path, dotted, f"must be >= 1024 bytes (less cannot hold a request line and its usual headers), "
                                  f"got {value}")
+    if c == "parser" and not re.fullmatch(r"[a-z0-9_.-]*", value):
+        raise _err(path, dotted, f"{value!r} is not a vLLM tool-call parser name (lower-case letters, digits and "
+                                 "_.- such as hermes or llama3_json; 'none' = off)")
+    if c == "so_backend" and value not in SO_BACKENDS:
+        raise _err(path, dotted, f"must be one of {', '.join(b or repr(b) for b in SO_BACKENDS)}, got {value!r}")
     if c == "kvkind" and value not in ("", "lmcache", "twin"):
         raise _err(path, dotted, f"must be lmcache or twin, got {value!r}")
     if c in ("path", "path?") and not (c == "path?" and value == "") and not _SAFE_PATH.match(value):

@@ -43,7 +43,10 @@ R_PREFILL_BUSY = "prefill_backlog"        # long uncached, but every prefiller's
 R_NO_PREFILLER = "no_prefiller"           # long uncached, no worker can take a P leg: aggregate
 R_NO_DECODER = "no_decoder"               # nothing can decode but a prefiller is up: aggregate there
 R_STATIC = "static"                       # baseline policies (round-robin, pdctl): their fixed rule
-REASONS = (R_FEW_UNCACHED, R_CANNOT_STORE, R_LONG_UNCACHED, R_IDLE_BOTH, R_PREFILL_BUSY, R_NO_PREFILLER, R_NO_DECODER, R_STATIC)
+R_ENGINE_STATE = "engine_state"           # the request needs state one engine holds (a Responses API
+#                                           previous_response_id): whole on that engine, never split (proxy)
+REASONS = (R_FEW_UNCACHED, R_CANNOT_STORE, R_LONG_UNCACHED, R_IDLE_BOTH, R_PREFILL_BUSY, R_NO_PREFILLER, R_NO_DECODER, R_STATIC,
+           R_ENGINE_STATE)
 
 DECODE_ROLES = ("decode", "both")
 PREFILL_ROLES = ("prefill", "both")

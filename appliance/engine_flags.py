@@ -25,6 +25,12 @@ class EngineFlags:
     stream_token_ids: bool = False  # streamed answers carry token ids with return_token_ids (stream migration
     #                                 continues from them); continue_final_message is the text fallback
     continuation: str = ""         # what was measured of both ("" = unchecked)
+    # the OpenAI surface: tool calling, structured output, the Responses API store ([plan] keys)
+    tool_parser_flags: tuple = ("--enable-auto-tool-choice", "--tool-call-parser")   # + the parser name
+    structured_outputs_flag: str = "--structured-outputs-config"    # JSON: {"backend", "disable_any_whitespace"}
+    strict_tool_env: str = "VLLM_ENFORCE_STRICT_TOOL_CALLING"        # "0": named/required tools by JSON schema
+    responses_store_env: str = "VLLM_ENABLE_RESPONSES_API_STORE"     # "1": engines keep stored responses
+    openai_surface: str = ""       # where those flags were checked ("" = unchecked)
 
 
 ENGINE_VERSIONS: dict[str, EngineFlags] = {
@@ -44,7 +50,11 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
                      "/v1/chat/completions with return_token_ids carry token_ids per chunk and prompt_token_ids "
                      "in the first; prompt = prompt ids + the first 10 answer ids continued with exactly the "
                      "run's remaining ids; continue_final_message + add_generation_prompt=false continued a "
-                     "partial assistant message"),
+                     "partial assistant message",
+        openai_surface="from the vLLM docs and 0.26-era sources, not run on the H200: --enable-auto-tool-choice "
+                       "--tool-call-parser, --structured-outputs-config (since 0.11), VLLM_ENFORCE_STRICT_TOOL_CALLING "
+                       "(default on since 0.24), VLLM_ENABLE_RESPONSES_API_STORE; /v1/responses takes "
+                       "kv_transfer_params"),
     "0.33.0": EngineFlags(
         version="0.33.0", device="cuda", entry=("vllm", "serve"), model_flag="", hma_flag=True,
         load_failure_policy=True,
@@ -68,7 +78,16 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
         continuation="measured 2026-12-02 (docs/reliability.md, tests/real/test_migration_cpu.py): completions "
                      "put prompt_token_ids in the first choice, chat at the top of its first chunk; every chunk "
                      "carries token_ids; prompt ids + the first k answer ids on /v1/completions gave exactly the "
-                     "remaining ids, for completions and for chat answers; /tokenize gives the same prompt ids"),
+                     "remaining ids, for completions and for chat answers; /tokenize gives the same prompt ids",
+        openai_surface="measured 2026-12-02 (tests/real/test_openai_surface_cpu.py): hermes parser with "
+                       "VLLM_ENFORCE_STRICT_TOOL_CALLING=0 gives a named tool call whose arguments follow the tool's "
+                       "schema (chat and /v1/responses); xgrammar + disable_any_whitespace ends JSON-schema output on "
+                       "a random-weight model; /v1/responses takes kv_transfer_params (the P leg's KV loads on the "
+                       "D worker) and streams typed events without [DONE]; GET /v1/models/{id} and the pooling "
+                       "routes answer 404 {\"detail\": \"Not Found\"}. Seen by hand the same day: with strict "
+                       "tool calling (the default) the model's own markup lets a random model pad the arguments "
+                       "with whitespace until max_tokens; llama3_json refuses to start on a tokenizer without "
+                       "<|python_tag|>"),
 }
 DEFAULT_GPU_VERSION = "0.26.0"
 DEFAULT_CPU_VERSION = "0.32.0+cpu"

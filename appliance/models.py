@@ -28,6 +28,7 @@ class ModelProfile:
     max_context: int
     dtype: str
     source: str               # where the numbers come from
+    tool_call_parser: str = ""   # vLLM --tool-call-parser for this family ("" = none known: tool calling off)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,7 +47,8 @@ REGISTRY: dict[str, ModelProfile] = {
         kv_bytes_per_token=(512 + 64) * 27 * 2,
         num_layers=27, max_context=32768, dtype="bfloat16",
         source="seed logs on A100-80GB: 29.45 GiB weights, 34.89 GiB KV = 1.20 M tokens "
-               "(31,104 B/token from config.json: MLA 576 x 27 layers x bf16)"),
+               "(31,104 B/token from config.json: MLA 576 x 27 layers x bf16); no tool-call parser: its chat "
+               "template has no tool format and vLLM lists no parser for DeepSeek-V2"),
     "deepseek-v3.2-nvfp4": ModelProfile(
         name="deepseek-v3.2-nvfp4", hf_id="nvidia/DeepSeek-V3.2-NVFP4",
         params_b=671.0, active_params_b=37.0,
@@ -57,28 +59,33 @@ REGISTRY: dict[str, ModelProfile] = {
         kv_bytes_per_token=(656 + 132) * 61,
         num_layers=61, max_context=163840, dtype="nvfp4",
         source="config.json (61 layers, MLA 512+64, sparse-attention indexer 128 dims); NVFP4 at 4.5 bit/weight "
-               "for experts; vLLM fp8_ds_mla KV layout (656 B + 132 B indexer per token per layer)"),
+               "for experts; vLLM fp8_ds_mla KV layout (656 B + 132 B indexer per token per layer); tool calls "
+               "in DSML: vLLM's deepseek_v32 parser",
+        tool_call_parser="deepseek_v32"),
     "llama-3.1-8b": ModelProfile(
         name="llama-3.1-8b", hf_id="meta-llama/Llama-3.1-8B-Instruct",
         params_b=8.03, active_params_b=8.03,
         weights_bytes=int(8.03e9 * 2),
         kv_bytes_per_token=_kv_mha(32, 8, 128),
         num_layers=32, max_context=131072, dtype="bfloat16",
-        source="config.json: 32 layers, 8 KV heads x 128, bf16; 8.03 B params x 2 bytes"),
+        source="config.json: 32 layers, 8 KV heads x 128, bf16; 8.03 B params x 2 bytes; Llama 3.1 JSON tool "
+               "calls: vLLM's llama3_json parser", tool_call_parser="llama3_json"),
     "llama-3.1-70b": ModelProfile(
         name="llama-3.1-70b", hf_id="meta-llama/Llama-3.1-70B-Instruct",
         params_b=70.6, active_params_b=70.6,
         weights_bytes=int(70.6e9 * 2),
         kv_bytes_per_token=_kv_mha(80, 8, 128),
         num_layers=80, max_context=131072, dtype="bfloat16",
-        source="config.json: 80 layers, 8 KV heads x 128, bf16; 70.6 B params x 2 bytes"),
+        source="config.json: 80 layers, 8 KV heads x 128, bf16; 70.6 B params x 2 bytes; Llama 3.1 JSON tool "
+               "calls: vLLM's llama3_json parser", tool_call_parser="llama3_json"),
     "qwen2.5-32b": ModelProfile(
         name="qwen2.5-32b", hf_id="Qwen/Qwen2.5-32B-Instruct",
         params_b=32.8, active_params_b=32.8,
         weights_bytes=int(32.8e9 * 2),
         kv_bytes_per_token=_kv_mha(64, 8, 128),
         num_layers=64, max_context=32768, dtype="bfloat16",
-        source="config.json: 64 layers, 8 KV heads x 128, bf16; 32.8 B params x 2 bytes"),
+        source="config.json: 64 layers, 8 KV heads x 128, bf16; 32.8 B params x 2 bytes; Qwen2.5 tool calls "
+               "in <tool_call> tags: vLLM's hermes parser", tool_call_parser="hermes"),
 }
 
 ALIASES = {

@@ -29,7 +29,15 @@ def planner_inputs(s: Settings) -> tuple[Workload, Overrides]:
         decode_port_base=ports["decode_base"], both_port_base=ports["both_base"], policy=px["policy"],
         thresholds=Thresholds(px["aggregate_max_uncached"], px["split_max_prefill_backlog"],
                               px["split_idle_max_running"], px["consumer_max_uncached"]), heartbeat_s=kv["heartbeat_s"],
-        worker_reap_timeout_s=kv["worker_reap_timeout_s"], kv_server=kv["kind"], kv_connector=p["kv_connector"], extra_engine_args=tuple(p["extra_engine_args"]))
+        worker_reap_timeout_s=kv["worker_reap_timeout_s"], kv_server=kv["kind"], kv_connector=p["kv_connector"], extra_engine_args=tuple(p["extra_engine_args"]),
+        tool_call_parser=p["tool_call_parser"], strict_tool_calls=p["strict_tool_calls"],
+        structured_outputs_backend=p["structured_outputs_backend"],
+        structured_outputs_compact=p["structured_outputs_compact"], responses_store=p["responses_store"])
+    if ov.structured_outputs_compact and ov.structured_outputs_backend not in ("xgrammar", "guidance"):
+        from .config import ConfigError
+        raise ConfigError(f"{s.path}: plan.structured_outputs_compact: needs plan.structured_outputs_backend = "
+                          f"\"xgrammar\" or \"guidance\" (vLLM refuses disable_any_whitespace with "
+                          f"{ov.structured_outputs_backend or 'the default'!r})")
     return work, ov
 
 

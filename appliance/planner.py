@@ -76,6 +76,11 @@ class Overrides:
     twin_time_scale: float = 1.0   # twin engines: >1 runs the simulated clock faster (demo, tests)
     kv_connector: bool = True      # False: no --kv-transfer-config (decoders re-prefill; comparisons only)
     extra_engine_args: tuple = ()  # appended to every vLLM worker's argv (e.g. --load-format dummy)
+    tool_call_parser: str = ""     # "" = the model registry's; "none" = off (worker_argv.tool_parser)
+    strict_tool_calls: bool = True     # False: VLLM_ENFORCE_STRICT_TOOL_CALLING=0
+    structured_outputs_backend: str = ""   # "" = the engine's default
+    structured_outputs_compact: bool = False   # disable_any_whitespace (xgrammar / guidance)
+    responses_store: bool = False  # VLLM_ENABLE_RESPONSES_API_STORE=1 (engine-held Responses API state)
 
 
 # --- memory rules ------------------------------------------------------------------------------------
@@ -357,6 +362,8 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
         workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=tuple(grp), port=port, argv=argv,
                                   env=env, tp=tp, gpu_uuids=tuple(g.uuid for g in ggpus), cpus=cpus))
     _note_kv_both(roles, ov, version, reasons)
+    if ov.engine != "twin":
+        _note_openai(model, ov, reasons)
     kv = _kv_plan(inv, len(workers), len(workers) * tp, ov, reasons, cpu_engine=False)
     if not ov.kv_connector:
         reasons.append("workers are NOT connected to the KV server (kv_connector = false): decoders recompute "
@@ -376,6 +383,24 @@ def _note_kv_both(roles: list, ov: Overrides, version: str, reasons: list) -> No
             and not flags_for(version).kv_both:
         reasons.append(f"warning: kv_both with LMCacheMPConnector is not checked against vLLM {version} (the flag "
                        "table has no measurement); plan --prefill/--decode for the tested P/D roles")
+
+
+def _note_openai(model: ModelProfile, ov: Overrides, reasons: list) -> None:
+    """Say how tool calling and the Responses API store are set, and where the setting came from."""
+    parser = worker_argv.tool_parser(model, ov)
+    if parser:
+        src = "[plan] tool_call_parser" if ov.tool_call_parser else f"the model registry's parser for {model.name}"
+        reasons.append(f"tool calling on: --enable-auto-tool-choice --tool-call-parser {parser} ({src})" +
+                       ("; named/required tool calls constrained by the tools' JSON schemas "
+                        "(strict_tool_calls = false)" if not ov.strict_tool_calls else ""))
+    else:
+        why = "[plan] tool_call_parser = \"none\"" if ov.tool_call_parser == "none" else \
+            f"{model.name} has no tool-call parser in the model registry"
+        reasons.append(f"tool calling off ({why}): the engines refuse tool_choice auto; set [plan] "
+                       "tool_call_parser to the vLLM parser of this model to turn it on")
+    if ov.responses_store:
+        reasons.append("Responses API store on: every worker keeps its stored responses in memory (never freed); "
+                       "previous_response_id runs whole on the worker that holds the response")
 
 
 def _telemetry(role: str, n_workers: int) -> bool:
@@ -420,6 +445,7 @@ def _cpu_plan(inv: Inventory, model: ModelProfile, work: Workload, ov: Overrides
         workers.append(WorkerPlan(instance=f"{role}-{i}", role=role, gpus=(), port=port, argv=argv, env=env,
                                   tp=1, cpus=cpus))
     _note_kv_both(["prefill"] * p + ["decode"] * d + ["both"] * b, ov, version, reasons)
+    _note_openai(model, ov, reasons)
     kv = _kv_plan(inv, n, n, ov, reasons, cpu_engine=True)
     return Plan(mode="soft" if b else "disaggregated", engine="vllm-cpu", engine_version=version, model=model.hf_id,
                 served_model_name=served, tp=1, workers=tuple(workers), kv_server=kv, proxy=proxy,

@@ -2,6 +2,7 @@
 string). Version-specific flags come from ``engine_flags``; the planner decides roles, ports and GPUs."""
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from . import constants as C
@@ -41,8 +42,32 @@ def vllm_argv(role: str, port: int, tp: int, model: ModelProfile, served: str, w
         if fl.hma_flag:
             argv.append("--disable-hybrid-kv-cache-manager")
     argv += list(fl.quiet_access_log)
+    argv += openai_surface_argv(model, ov, fl)
     argv += list(ov.extra_engine_args)
     return tuple(argv)
+
+
+def tool_parser(model: ModelProfile, ov: Overrides) -> str:
+    """The tool-call parser the workers run ('' = tool calling off): [plan] tool_call_parser, else the model
+    registry's for the model's family."""
+    name = ov.tool_call_parser or model.tool_call_parser
+    return "" if name == "none" else name
+
+
+def openai_surface_argv(model: ModelProfile, ov: Overrides, fl) -> list:
+    """Tool calling and structured output flags (the flag table's spelling)."""
+    out: list = []
+    parser = tool_parser(model, ov)
+    if parser:
+        out += [*fl.tool_parser_flags, parser]
+    so: dict = {}
+    if ov.structured_outputs_backend:
+        so["backend"] = ov.structured_outputs_backend
+    if ov.structured_outputs_compact:
+        so["disable_any_whitespace"] = True
+    if so:
+        out += [fl.structured_outputs_flag, json.dumps(so, separators=(",", ":"), sort_keys=True)]
+    return out
 
 
 def twin_hw(gpus: list[GPU], ov: Overrides) -> str:
@@ -75,7 +100,12 @@ def worker_env(role: str, gpus: list[GPU], ov: Overrides, version: str, proxy: P
         env["HF_HUB_OFFLINE"] = "1"          # a local model directory: never reach for the hub
         env["TRANSFORMERS_OFFLINE"] = "1"
     if ov.engine != "twin":
-        env.update(flags_for(version).env)
+        fl = flags_for(version)
+        env.update(fl.env)
+        if not ov.strict_tool_calls:
+            env[fl.strict_tool_env] = "0"
+        if ov.responses_store:
+            env[fl.responses_store_env] = "1"
     if ov.engine == "vllm":
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in gpus)

@@ -17,11 +17,11 @@ from .. import constants as C
 from .backends import Backend
 from .breaker import Breaker
 from .config import ProxyConfig
-from . import lifecycle, render, warmup
+from . import lifecycle, render, responses as RS, utility_routes, warmup
 from .errors import NOT_FOUND, UNAUTHORIZED, ProxyError, bad_request, unavailable, upstream_failed
 from .legs import DecodeStream, Legs, Passthrough, decode_body
 from .metrics import ProxyMetrics
-from ..decide import AGGREGATE, R_NO_PREFILLER, SPLIT
+from ..decide import AGGREGATE, R_ENGINE_STATE, R_NO_PREFILLER, SPLIT
 from .routing import POLICIES, SKIP_NO_PREFILLER, PrefixIndex, Route, affinity_key
 from .scrape import Watcher
 from .server import LeanServer, Request, Response
@@ -31,10 +31,10 @@ from .tokens import CharsPerToken
 from . import migrate
 from .relay import Relay, StreamJob
 from .stall import stall_loop
-from .validate import CHAT, COMPLETIONS, parse
+from .validate import CHAT, COMPLETIONS, RESPONSES, parse
 
 log = logging.getLogger("pdctl.proxy")
-_GEN_PATHS = ("/v1/completions", "/v1/chat/completions")
+_GEN_PATHS = ("/v1/completions", "/v1/chat/completions", RS.PATH)
 _KNOWN_GET = ("/v1/models", "/health", "/ready", "/metrics")
 # Answered by one engine (same model and tokenizer everywhere): a fleet router's cache_aware policy asks the
 # render routes for every text request to match prompt prefixes by token ids (docs/fleet.md).
@@ -85,6 +85,7 @@ class ProxyServer:
         if hasattr(self.policy, "chars_per_token"):
             self.policy.chars_per_token = lambda: self.chars_per_token.value
         self.legs = Legs(self)
+        self.responses = RS.Homes()      # where each stored Responses API answer lives (responses.py)
         self.watcher = Watcher(self)
         self.started = time.monotonic()
         self.started_wall = int(time.time())
@@ -99,9 +100,11 @@ class ProxyServer:
                         ("GET", "/metrics"): self.h_metrics, ("GET", "/v1/models"): self.h_models,
                         ("POST", "/v1/completions"): self.h_completions,
                         ("POST", "/v1/chat/completions"): self.h_chat,
+                        ("POST", RS.PATH): self.h_responses,
                         ("POST", "/tokenize"): self.h_tokenize,
                         ("POST", render.COMPLETIONS_RENDER): self.h_render,
                         ("POST", render.CHAT_RENDER): self.h_render}
+        self._public.update(utility_routes.fixed(self))   # /detokenize, /version, pooling routes (utility_routes.py)
         self._internal = {("POST", C.TELEMETRY_PATH): self.h_telemetry, ("GET", "/pdctl/status"): self.h_status,
                           ("GET", "/health"): self.h_health, ("GET", "/metrics"): self.h_metrics}
         if cfg.public_status:
@@ -308,7 +311,11 @@ class ProxyServer:
         return _json(render.response(request.path, rid, got))
 
     async def h_unknown(self, request):
-        if request.path in _GEN_PATHS or request.path in _KNOWN_GET or request.path in _UTILITY_PATHS:
+        routed = utility_routes.parameterised(self, request)   # /v1/models/{id}, /v1/responses/{id}[/cancel]
+        if routed is not None:
+            return await routed
+        if request.path in _GEN_PATHS or request.path in _KNOWN_GET or request.path in _UTILITY_PATHS \
+                or utility_routes.known_path(request.path):
             return error_response(ProxyError(405, f"{request.method} is not allowed on {request.path}",
                                              "invalid_request_error", "method_not_allowed"))
         return error_response(NOT_FOUND)
@@ -331,7 +338,9 @@ class ProxyServer:
             "inflight": c.get("inflight", 0),
             "backends": [b.status() for b in self.backends],
             "requests": {k: v for k, v in c.items() if ":" in k and not k.startswith(
-                ("kv_wait:", "skip:", "kv_server:", "decision:", "migration:", "migration_refused:"))},
+                ("kv_wait:", "skip:", "kv_server:", "decision:", "migration:", "migration_refused:", "feature:"))},
+            "features": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("feature:")},
+            "responses": {"homes": len(self.responses), "probes": self.responses.probes},
             "decisions": self._decision_mix(),
             "kv_server": {"watched": bool(self.cfg.kv_url), "up": self.kv_up,
                           "outages_seen": c.get("kv_server:down", 0)},
@@ -367,6 +376,9 @@ class ProxyServer:
     async def h_chat(self, request):
         return await self._generate(request, "/v1/chat/completions", CHAT)
 
+    async def h_responses(self, request):
+        return await self._generate(request, RS.PATH, RESPONSES)
+
     async def _generate(self, request: Request, path: str, kind: str):
         t0 = time.monotonic()
         crid = _client_request_id(request)
@@ -387,11 +399,14 @@ class ProxyServer:
                                                   f"{', '.join(sorted(models))}", "invalid_request_error",
                                              "model_not_found", "model"), crid)
         mml = models.get(parsed.model)
-        mt = parsed.body.get("max_tokens") or parsed.body.get("max_completion_tokens")
+        mk = "max_output_tokens" if kind == RESPONSES else "max_tokens"
+        mt = parsed.body.get(mk) or (None if kind == RESPONSES else parsed.body.get("max_completion_tokens"))
         if mml and mt and mt > mml:
             self._count(kind, "client_error")
-            return error_response(bad_request(f"max_tokens={mt} exceeds the model's max_model_len {mml}",
-                                              param="max_tokens"), crid)
+            return error_response(bad_request(f"{mk}={mt} exceeds the model's max_model_len {mml}",
+                                              param=mk), crid)
+        for feature in utility_routes.features(parsed.body):      # what clients ask for (pdctl doctor reads it)
+            self.counts["feature:" + feature] += 1
         self.metrics.inflight.inc()
         self.counts["inflight"] += 1
         try:
@@ -409,7 +424,9 @@ class ProxyServer:
         echo = crid or rid
         chars = len(parsed.prompt_text)
         tokens = parsed.prompt_tokens_est if parsed.tokens_exact else self.chars_per_token.estimate(chars)
-        rt = self.policy.route(parsed.prompt_text, tokens)
+        held = await RS.held_by(self, parsed.body, rid) if kind == RESPONSES else None
+        rt = self.policy.route(parsed.prompt_text, tokens) if held is None else \
+            Route(AGGREGATE, R_ENGINE_STATE, None, held.backend, tokens)
         skip = None if rt.kind == SPLIT else rt.reason
         kv_params = None
         if skip is None:
@@ -453,9 +470,13 @@ class ProxyServer:
         unmovable = migrate.unsupported(parsed.body, kind) if parsed.stream else "not_streamed"
         token_ids = cfg.token_ids and parsed.stream and unmovable is None and cfg.max_migrations > 0
         data = decode_body(request.body, parsed.body, kv_params, token_ids)
+        if kind == RESPONSES:
+            data = RS.with_response_id(data, parsed.body, rid)
         aff = affinity_key(request.headers.get("x-session-id"), parsed.prompt_text)
         d = await self.legs.decode(path, data, rid, aff, parsed.stream, rt.decode, "full" if skip else "decode",
-                                   rt.uncached if skip else 0, chars)
+                                   rt.uncached if skip else 0, chars, exclude=held.others if held else frozenset())
+        if kind == RESPONSES:
+            RS.served(self, parsed.body, rid, d)
         if (skip and isinstance(d, DecodeStream) and d.backend.spec.role in STORING_ROLES
                 and parsed.prompt_tokens_est >= cfg.pd_min_prompt_tokens):
             self.prefix.record(parsed.prompt_text)     # a kv_both / kv_producer worker stored what it computed
@@ -472,7 +493,8 @@ class ProxyServer:
                 self._count(kind, "client_error" if d.status < 500 else "upstream_error")
             return Response(d.body, d.status, {"Content-Type": d.content_type, "X-Request-Id": echo})
         job = StreamJob(kind, parsed.body, rid, aff, route, t0, echo, token_ids,
-                        strip=token_ids and not parsed.body.get("return_token_ids"), unmovable=unmovable)
+                        strip=token_ids and not parsed.body.get("return_token_ids"), unmovable=unmovable,
+                        dialect=RS.StreamDialect() if kind == RESPONSES else None)
         await Relay(self, request, job).run(d)
         return None
 

@@ -12,8 +12,9 @@ import json
 import time
 from dataclasses import dataclass
 
-from .errors import ProxyError, unavailable, upstream_failed
+from .errors import ProxyError, engine_refusal, unavailable, upstream_failed
 from .migrate import with_token_ids
+from .responses import PATH as RESPONSES_PATH, prefill_body as responses_prefill_body
 from .upstream import Conn, UpstreamError
 
 _P_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
@@ -60,9 +61,9 @@ def _kv_params(raw: bytes, label: str):
     return ans.get("kv_transfer_params")
 
 
-async def _post_whole(b, path: str, data: bytes, headers: dict, timeout: float) -> tuple:
-    """POST and read the whole answer on ``b``'s pool: (status, content type, body)."""
-    conn = await b.pool.request("POST", path, data, headers, timeout, b.pending)
+async def _post_whole(b, path: str, data: bytes, headers: dict, timeout: float, method: str = "POST") -> tuple:
+    """POST (or ``method``) and read the whole answer on ``b``'s pool: (status, content type, body)."""
+    conn = await b.pool.request(method, path, data, headers, timeout, b.pending)
     status, ctype = conn.status, conn.headers.get("content-type", "application/json")
     try:
         raw = await conn.read_all(timeout)
@@ -70,6 +71,15 @@ async def _post_whole(b, path: str, data: bytes, headers: dict, timeout: float) 
         b.pending.discard(conn)
         conn.release()
     return status, ctype, raw
+
+
+def _answered(status: int, raw: bytes, ctype: str, backend, method: str, path: str) -> "Passthrough":
+    """An engine's whole answer for the client; a refusal (4xx) in OpenAI's shape whatever the engine sent."""
+    if status >= 400:
+        shaped = engine_refusal(status, raw, method, path)
+        if shaped is not None:
+            return Passthrough(status, shaped, "application/json", backend)
+    return Passthrough(status, raw, ctype, backend)
 
 
 class LegFailure(Exception):
@@ -82,6 +92,7 @@ class Passthrough:
     status: int
     body: bytes
     content_type: str
+    backend: object = None       # the engine that answered (D legs and utility calls), when known
 
 
 @dataclass
@@ -172,7 +183,7 @@ class Legs:
                       chars: int = 0):
         """PrefillResult, Passthrough (engine refused the request) or ProxyError (no prefiller could do it)."""
         s = self.s
-        data = prefill_body(body)
+        data = prefill_body(body) if path != RESPONSES_PATH else responses_prefill_body(body, rid)
         headers = self.headers(rid)
         timeout = s.cfg.prefill_timeout_s
 
@@ -182,7 +193,7 @@ class Legs:
             if status >= 500:
                 raise LegFailure(f"{b.label}: prefill answered HTTP {status}: {raw[:160]!r}")
             if status != 200:
-                return Passthrough(status, raw, ctype)
+                return _answered(status, raw, ctype, b, "POST", path)
             return PrefillResult(b, _kv_params(raw, b.label), time.monotonic() - t0)
 
         pick = s.policy.pick_prefill if avoid is None else (lambda ex: s.policy.pick_prefill(set(ex) | {avoid}))
@@ -218,7 +229,7 @@ class Legs:
                     raw = await conn.read_all(timeout)
                     ok = True
                     conn.release()
-                    return Passthrough(status, raw, ctype)
+                    return _answered(status, raw, ctype, b, "POST", path)
                 head = await conn.read(timeout)
                 if not head:
                     raise LegFailure(f"{b.label}: decode stream ended before the first byte")
@@ -242,13 +253,16 @@ class Legs:
         return out
 
 
-    async def utility(self, path: str, data: bytes, rid: str):
-        """One small POST (``/tokenize``) to the least busy healthy engine, prefillers first:
-        every engine serves the same model and tokenizer. Passthrough or ProxyError."""
+    async def utility(self, path: str, data: bytes, rid: str, method: str = "POST", only=None):
+        """One small request (``POST /tokenize``, ``GET /version`` ...) to the least busy healthy engine,
+        prefillers first: every engine serves the same model and tokenizer. ``only``: the engines allowed
+        (the one that holds a stored response). Passthrough or ProxyError."""
         s = self.s
         headers = self.headers(rid)
         timeout = s.cfg.connect_timeout_s + 10.0
         order = list(s.policy.prefill) + [b for b in s.policy.decode if b not in s.policy.prefill]
+        if only is not None:
+            order = [b for b in order if b in only]
 
         def pick(excluded):
             now = time.monotonic()
@@ -256,10 +270,10 @@ class Legs:
             return min(ok, key=lambda b: b.inflight, default=None)
 
         async def call(b):
-            status, ctype, raw = await _post_whole(b, path, data, headers, timeout)
+            status, ctype, raw = await _post_whole(b, path, data, headers, timeout, method)
             if status >= 500:
                 raise LegFailure(f"{b.label}: {path} answered HTTP {status}: {raw[:160]!r}")
-            return Passthrough(status, raw, ctype)
+            return _answered(status, raw, ctype, b, method, path.split("?")[0])
 
         out = await self._attempts("utility", pick, call)
         if isinstance(out, list):

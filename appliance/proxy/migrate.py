@@ -16,7 +16,8 @@ The prompt's KV is in the shared L1, so the new worker's prefill is short.
 
 What cannot be continued (the stream then ends with the SSE error event, as before): ``n > 1``, logprobs,
 ``echo``, several prompts in one request, tool calling, structured output (the grammar would restart),
-multimodal messages, and reasoning answers (the split between reasoning and content would be lost).
+multimodal messages, reasoning answers (the split between reasoning and content would be lost), and the
+Responses API's typed event streams.
 With temperature > 0 the continuation is a different but valid sample.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .validate import CHAT
+from .validate import CHAT, RESPONSES
 
 LOG_CAP_BYTES = 8 * 1024 * 1024        # past this much of one answer, a stream is not kept for migration
 _IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\s*\[[0-9,\s]*\]')
@@ -53,6 +54,8 @@ def with_token_ids(raw: bytes) -> bytes:
 
 def unsupported(body: dict, kind: str) -> str | None:
     """Why this request's stream cannot be continued elsewhere (None: it can)."""
+    if kind == RESPONSES:
+        return "responses"        # typed events: sequence numbers and item ids cannot be rebuilt from token ids
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
         return "n"
     if body.get("prompt_logprobs") is not None:

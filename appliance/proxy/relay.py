@@ -36,6 +36,8 @@ class StreamJob:
     token_ids: bool = False      # the legs were asked for token ids (migrate.py)
     strip: bool = False          # ... and the client was not: take them out again
     unmovable: str | None = None  # why this request cannot be continued elsewhere (None: it can)
+    dialect: object = None       # a stream that does not end with [DONE] (responses.StreamDialect): feed(block),
+    #                              ended(), error_sse(err); None: chat/completions SSE
 
     @property
     def want_usage(self) -> bool:
@@ -85,6 +87,8 @@ class Relay:
 
     def _record(self, buf: bytes) -> None:
         self.tail = (self.tail + buf)[-32:]
+        if self.job.dialect is not None:
+            self.job.dialect.feed(buf)
         if self.keep:
             if len(self.log) + len(buf) > M.LOG_CAP_BYTES:
                 self.keep = False
@@ -132,6 +136,8 @@ class Relay:
             self._record(buf)
             out = M.strip_ids(buf) if self.job.strip else buf
             self.last = (self.last or b"") + out
+        if self.job.dialect is not None:
+            return None if self.job.dialect.ended() else "the stream ended before its last event"
         if not self.tail.rstrip().endswith(b"[DONE]"):
             return "the stream ended without [DONE]"
         return None
@@ -166,8 +172,9 @@ class Relay:
                 if nxt is None:              # only the end was lost: closed cleanly
                     break
                 outcome = "stream_error"
-                ev = ProxyError(502, f"{err}; the answer is incomplete ({nxt})", "upstream_error",
-                                "stream_broken").sse()
+                broken = ProxyError(502, f"{err}; the answer is incomplete ({nxt})", "upstream_error",
+                                    "stream_broken")
+                ev = job.dialect.error_sse(broken) if job.dialect is not None else broken.sse()
                 self.last = (self.last or b"") + ev
                 break
             await self.request.end(self.last or b"")

@@ -13,14 +13,16 @@ from .errors import ProxyError, bad_request
 
 CHAT = "chat"
 COMPLETIONS = "completions"
+RESPONSES = "responses"        # the Responses API (/v1/responses): ``input`` + ``instructions``
 _TOKEN_KEYS = ("max_tokens", "max_completion_tokens", "min_tokens", "min_completion_tokens")
+_RESPONSES_TOKEN_KEYS = _TOKEN_KEYS + ("max_output_tokens",)
 _NUMBER_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
 class Parsed:
     body: dict
-    kind: str                 # CHAT | COMPLETIONS
+    kind: str                 # CHAT | COMPLETIONS | RESPONSES
     model: str
     stream: bool
     prompt_text: str          # what affinity/prefix hashing looks at (text, or token ids rendered)
@@ -57,7 +59,7 @@ def parse(raw: bytes, kind: str, max_tokens_limit: int) -> Parsed | ProxyError:
     if so is not None and not isinstance(so, dict):
         return bad_request("'stream_options' must be an object, e.g. {\"include_usage\": true}",
                            param="stream_options", code="invalid_type")
-    for k in _TOKEN_KEYS:
+    for k in _RESPONSES_TOKEN_KEYS if kind == RESPONSES else _TOKEN_KEYS:
         v = body.get(k)
         if v is None:
             continue
@@ -75,6 +77,9 @@ def parse(raw: bytes, kind: str, max_tokens_limit: int) -> Parsed | ProxyError:
         return bad_request("'n' must be an integer between 1 and 128", param="n")
     if kind == CHAT:
         text = chat_text(body.get("messages"))
+    elif kind == RESPONSES:
+        from .responses import input_text       # the Responses API's own shape lives with its handler
+        text = input_text(body)
     else:
         text = _prompt_text(body.get("prompt"))
     if isinstance(text, ProxyError):

@@ -104,21 +104,32 @@ def facts(plan, workers=None, kv=None, **kw):
     return Facts(**base)
 
 
+def _with_reap(plan, reap: str):
+    """The plan's KV server argv with its --worker-reap-timeout-seconds set to ``reap``."""
+    argv = list(plan.kv_server.argv)
+    i = argv.index("--worker-reap-timeout-seconds")
+    argv[i + 1] = reap
+    return replace(plan, kv_server=replace(plan.kv_server, argv=tuple(argv)))
+
+
 def test_reap_vs_heartbeat_rules():
     plan = gpu_plan()
     c = K.check_reap(plan, facts(plan))
-    assert c.status == "ok" and "reap 120 s (LMCache default)" in c.detail and "heartbeat 2 s" in c.detail, c
+    assert c.status == "ok" and "reap 120 s (--worker-reap-timeout-seconds in the KV server plan)" in c.detail \
+        and "heartbeat 2 s" in c.detail, c
+    bare = replace(plan, kv_server=replace(plan.kv_server, argv=tuple(
+        a for i, a in enumerate(plan.kv_server.argv) if a != "--worker-reap-timeout-seconds"
+        and plan.kv_server.argv[i - 1] != "--worker-reap-timeout-seconds")))
+    c = K.check_reap(bare, facts(bare))
+    assert c.status == "ok" and "reap 120 s (LMCache default)" in c.detail, c
     short = replace(plan, kv_server=replace(plan.kv_server, restart_sec=4.0))
     c = K.check_reap(short, facts(short))
     assert c.status == "fail" and "4642" in c.detail, c
     for reap, status, needle in (("5", "fail", "refuses to start"), ("0", "warn", "3206")):
-        p = replace(plan, kv_server=replace(plan.kv_server,
-                                            argv=plan.kv_server.argv + ("--worker-reap-timeout-seconds", reap)))
+        p = _with_reap(plan, reap)
         c = K.check_reap(p, facts(p))
         assert c.status == status and needle in c.detail, c
-    slow = gpu_plan(heartbeat_s=15.0)
-    p = replace(slow, kv_server=replace(slow.kv_server, argv=slow.kv_server.argv + ("--worker-reap-timeout-seconds",
-                                                                                      "40")))
+    p = _with_reap(gpu_plan(heartbeat_s=15.0), "40")
     c = K.check_reap(p, facts(p))
     assert c.status == "fail" and "4715" in c.detail and "LMCache warns" in c.detail, c
 
@@ -245,3 +256,25 @@ def test_a_crashing_check_is_a_value_not_an_exception(monkeypatch):
     out = K.evaluate(plan, facts(plan))
     assert out[0].name == "boom" and out[0].status == "warn" and "boom" in out[0].detail
     assert K.exit_code(out) in (0, 1)
+
+
+def test_tool_calling_warns_when_tools_are_asked_for_without_a_parser():
+    off = gpu_plan(tool_call_parser="none")
+    st = {"features": {"tools": 3}}
+    c = K.check_tool_calling(off, facts(off, proxy_status=st))
+    assert c.status == "warn" and "3 request(s) with tools" in c.detail and "tool_call_parser" in c.fix, c
+    c = K.check_tool_calling(off, facts(off, proxy_status={"features": {}}))
+    assert c.status == "ok" and "tool calling off" in c.detail, c
+    c = K.check_tool_calling(off, facts(off))                    # the proxy is down: say so, judge the argv
+    assert c.status == "ok" and "proxy status unreadable" in c.detail, c
+    on = gpu_plan()                                              # llama-3.1-8b: llama3_json from the registry
+    c = K.check_tool_calling(on, facts(on, proxy_status=st))
+    assert c.status == "ok" and "--tool-call-parser llama3_json on every worker" in c.detail, c
+    mixed = replace(on, workers=(on.workers[0], replace(on.workers[1], argv=off.workers[1].argv)))
+    c = K.check_tool_calling(mixed, facts(mixed, proxy_status=st))
+    assert c.status == "warn" and "but decode-0 run(s) without --tool-call-parser" in c.detail, c
+    c = K.check_tool_calling(mixed, facts(mixed, proxy_status={"features": {}}))
+    assert c.status == "warn" and "prefill-0: llama3_json, decode-0: off" in c.detail, c
+    twin = make_plan(detect("fake:2xH200"), resolve_model("llama-3.1-8b"), Workload(),
+                     Overrides(engine="twin", prefill=1, decode=1))
+    assert K.check_tool_calling(twin, facts(twin)).status == "na"

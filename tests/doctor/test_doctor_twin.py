@@ -18,7 +18,7 @@ from appliance.stack import Stack, start_twin_stack, twin_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK_NAMES = ["engine versions", "kv server", "workers", "kv connector", "model string", "block/chunk size",
-               "reap vs heartbeat", "lmcache hit rate", "numa/pcie", "canary"]
+               "reap vs heartbeat", "lmcache hit rate", "numa/pcie", "canary", "tool calling"]
 
 
 def doctor(config: Path, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -59,7 +59,7 @@ def test_healthy_twin_stack_exits_0_with_a_table(healthy):
     for n in ("kv server", "workers", "kv connector", "model string", "block/chunk size", "canary"):
         assert table[n].split()[len(n.split())] == "ok", table[n]
     # twin boxes: no engine venv, no reaper, no real GPUs -- NA with the reason, never a guess
-    for n in ("engine versions", "reap vs heartbeat", "numa/pcie"):
+    for n in ("engine versions", "reap vs heartbeat", "numa/pcie", "tool calling"):
         assert table[n].split()[len(n.split())] == "na", table[n]
     assert "block_size 64 on 2 worker(s)" in table["block/chunk size"], r.stdout
 

@@ -49,6 +49,9 @@ def test_template_is_in_sync_and_valid(tmp_path):
     ("schema_version = 1\n[plan]\ngpu_indices = [\"a\"]\n", "list of GPU indices"),
     ("schema_version = 1\n[proxy]\npolicy = \"random\"\n", "pdctl or round-robin"),
     ("schema_version = 1\n[plan\n", "not valid TOML"),
+    ("schema_version = 1\n[plan]\ntool_call_parser = \"Hermes; rm\"\n", "not a vLLM tool-call parser name"),
+    ("schema_version = 1\n[plan]\nstructured_outputs_backend = \"jsonformer\"\n", "must be one of"),
+    ("schema_version = 1\n[plan]\nresponses_store = \"yes\"\n", "plan.responses_store: expected bool"),
 ])
 def test_bad_configs_name_file_and_key(tmp_path, body, needle):
     p = write(tmp_path, body)

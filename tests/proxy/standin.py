@@ -11,6 +11,9 @@ Answers come from a deterministic toy model: each answer token's id depends only
 text is `` w<id>`` (which tokenizes back to that id), and ``return_token_ids`` is honoured as vLLM does, so
 a continuation from token ids or from text gives exactly the rest of the answer.
 ``GET /_log`` returns what it received (path, X-Request-Id, body); ``POST /_reset`` clears it.
+The Responses API (``/v1/responses``, typed SSE events, a store of answers for ``previous_response_id`` and
+``GET /v1/responses/{id}``), ``/detokenize`` and ``/version`` answer in vLLM 0.32's shapes; routes vLLM does
+not register for a generative model (embeddings, rerank, ...) answer FastAPI's ``{"detail": "Not Found"}``.
 With ``--telemetry URL`` it posts LMCache's request_store_finished after ``store_delay_s`` (as a
 prefiller with LMCACHE_REQUEST_TELEMETRY_TYPE=fastapi does), with vLLM's id wrapping.
 """
@@ -82,6 +85,7 @@ class Engine:
         self.cut_after = 2           # die_mid_stream / stall_mid_stream: after this many tokens
         self.generated = 0           # vllm:generation_tokens_total
         self.session: ClientSession | None = None
+        self.stored: dict = {}       # response id -> (context ids, answer text): the Responses API store
 
     async def hang_if(self, *modes):
         if self.mode in modes:
@@ -125,6 +129,7 @@ class Engine:
 
     async def reset(self, request):
         self.log.clear()
+        self.stored.clear()
         self.cancelled = 0
         self.mode = "ok"
         self.token_delay_s = 0.0
@@ -277,6 +282,154 @@ class Engine:
         return resp
 
 
+def responses_input_ids(body: dict) -> list:
+    """The prompt ids of a Responses request: instructions, then each input item's text."""
+    parts = [body.get("instructions") or ""]
+    inp = body.get("input")
+    if isinstance(inp, str):
+        parts.append(inp)
+    else:
+        for item in inp or []:
+            c = item.get("content")
+            parts.append(" ".join(p.get("text", "") for p in c if isinstance(p, dict)) if isinstance(c, list)
+                         else str(c or item.get("output") or ""))
+    return text_ids(" ".join(parts))
+
+
+def _sse_event(kind: str, obj: dict) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + json.dumps(obj).encode() + b"\n\n"
+
+
+class ResponsesAPI:
+    """vLLM 0.32's /v1/responses on the stand-in's toy model (same faults and telemetry as generate)."""
+
+    def __init__(self, e: Engine):
+        self.e = e
+
+    async def create(self, request):
+        e = self.e
+        raw = await request.read()
+        body = json.loads(raw)
+        rid = request.headers.get("X-Request-Id", "none")
+        e.log.append({"path": request.path, "rid": rid, "body": body, "t": time.time()})
+        del e.log[:-500]
+        if e.mode == "die_before_first":
+            request.transport.abort()
+            await asyncio.sleep(0.05)
+            return web.Response()
+        refused = await e.faults_and_model(body, model_required=False)
+        if refused is not None:
+            return refused
+        resp_id = body.get("request_id") or f"resp_{os.urandom(8).hex()}"
+        pids = responses_input_ids(body)
+        prev = body.get("previous_response_id")
+        if prev:
+            if prev not in e.stored:
+                return web.json_response({"error": {"message": f"Response with id '{prev}' not found.",
+                                                    "type": "invalid_request_error", "param": "response_id",
+                                                    "code": 404}}, status=404)
+            ctx, _ = e.stored[prev]
+            pids = ctx + pids
+        n = min(int(body.get("max_output_tokens") or 4), 256)
+        if e.telemetry and n == 1 and not body.get("stream"):
+            asyncio.get_running_loop().create_task(e._post_store_finished(f"{resp_id}-0-8d6b96cd"))
+        ans, prev_id = [], (pids[-1] if pids else 0)
+        for _ in range(n):
+            prev_id = next_id(prev_id)
+            ans.append(prev_id)
+        text = "".join(f" w{t}" for t in ans)
+        msg = {"id": "msg_1", "content": [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}],
+               "role": "assistant", "status": "completed", "type": "message"}
+        usage = {"input_tokens": len(pids), "output_tokens": n, "total_tokens": len(pids) + n,
+                 "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+        done = {"id": resp_id, "object": "response", "created_at": int(time.time()), "model": MODEL,
+                "output": [msg], "status": "completed", "usage": usage, "previous_response_id": prev,
+                "kv_transfer_params": None, "store": body.get("store", True)}
+        if body.get("store", True) is not False:
+            e.stored[resp_id] = (pids + ans, done)
+        e.generated += n
+        if not body.get("stream"):
+            return web.json_response(done)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        e.active += 1
+        seq = iter(range(1 << 30))
+        started = dict(done, output=[], status="in_progress", usage=None)
+        try:
+            await resp.write(_sse_event("response.created", {"type": "response.created", "response": started,
+                                                             "sequence_number": next(seq)}))
+            await resp.write(_sse_event("response.in_progress", {"type": "response.in_progress",
+                                                                 "response": started, "sequence_number": next(seq)}))
+            await resp.write(_sse_event("response.output_item.added", {
+                "type": "response.output_item.added", "output_index": 0, "sequence_number": next(seq),
+                "item": dict(msg, content=[], status="in_progress")}))
+            for i, t in enumerate(ans):
+                await resp.write(_sse_event("response.output_text.delta", {
+                    "type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0,
+                    "content_index": 0, "delta": f" w{t}", "logprobs": [], "sequence_number": next(seq)}))
+                if e.mode == "die_mid_stream" and i + 1 == e.cut_after:
+                    request.transport.abort()
+                    return resp
+                if e.mode == "stall_mid_stream" and i + 1 == e.cut_after:
+                    await e.hang_if("stall_mid_stream")
+                if e.token_delay_s:
+                    await asyncio.sleep(e.token_delay_s)
+            await resp.write(_sse_event("response.output_text.done", {
+                "type": "response.output_text.done", "item_id": "msg_1", "output_index": 0, "content_index": 0,
+                "text": text, "logprobs": [], "sequence_number": next(seq)}))
+            await resp.write(_sse_event("response.output_item.done", {
+                "type": "response.output_item.done", "output_index": 0, "item": msg, "sequence_number": next(seq)}))
+            if e.mode != "no_done":
+                await resp.write(_sse_event("response.completed", {"type": "response.completed", "response": done,
+                                                                   "sequence_number": next(seq)}))
+            await resp.write_eof()
+        except asyncio.CancelledError:
+            e.cancelled += 1
+            raise
+        finally:
+            e.active -= 1
+        return resp
+
+    async def retrieve(self, request):
+        self.e.log.append({"path": request.path, "rid": request.headers.get("X-Request-Id", "none"), "body": None,
+                           "t": time.time()})
+        await self.e.hang_if("hang_gen", "hang_all")
+        got = self.e.stored.get(request.match_info["rid"])
+        if got is None:
+            return web.json_response({"error": {"message": f"Response with id '{request.match_info['rid']}' not "
+                                                           "found.", "type": "invalid_request_error",
+                                                "param": "response_id", "code": 404}}, status=404)
+        out = dict(got[1])
+        if request.path.endswith("/cancel"):
+            out["status"] = "cancelled"
+        return web.json_response(out)
+
+
+async def detokenize(e: Engine, request):
+    body = await request.json()
+    e.log.append({"path": request.path, "rid": request.headers.get("X-Request-Id", "none"), "body": body,
+                  "t": time.time()})
+    refused = await e.faults_and_model(body, model_required=False)
+    if refused is not None:
+        return refused
+    toks = body.get("tokens")
+    if not isinstance(toks, list):
+        return web.json_response({"error": {"message": "tokens: Field required", "type": "Bad Request",
+                                            "param": "body.tokens", "code": 400}}, status=400)
+    return web.json_response({"prompt": "".join(f" w{t}" for t in toks)})
+
+
+async def version(e: Engine, request):
+    e.log.append({"path": request.path, "rid": request.headers.get("X-Request-Id", "none"), "body": None,
+                  "t": time.time()})
+    refused = await e.faults_and_model({}, model_required=False)
+    return refused if refused is not None else web.json_response({"version": "0.32.0"})
+
+
+async def fastapi_not_found(request):
+    return web.json_response({"detail": "Not Found"}, status=404)
+
+
 def build_app(telemetry: str | None = None) -> web.Application:
     e = Engine(telemetry)
     app = web.Application()
@@ -286,6 +439,15 @@ def build_app(telemetry: str | None = None) -> web.Application:
     app.router.add_post("/v1/completions", e.generate)
     app.router.add_post("/v1/chat/completions", e.generate)
     app.router.add_post("/tokenize", e.tokenize)
+    ra = ResponsesAPI(e)
+    app.router.add_post("/v1/responses", ra.create)
+    app.router.add_get("/v1/responses/{rid}", ra.retrieve)
+    app.router.add_post("/v1/responses/{rid}/cancel", ra.retrieve)
+    app.router.add_post("/detokenize", lambda r: detokenize(e, r))
+    app.router.add_get("/version", lambda r: version(e, r))
+    for p in ("/v1/embeddings", "/v1/rerank", "/v1/score", "/rerank", "/score", "/pooling", "/classify", "/v2/embed",
+              "/v2/rerank", "/v1/responses/render"):
+        app.router.add_post(p, fastapi_not_found)
     app.router.add_post("/_control", e.control)
     app.router.add_get("/_log", e.get_log)
     app.router.add_post("/_reset", e.reset)

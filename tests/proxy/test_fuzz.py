@@ -7,7 +7,7 @@ import json
 import threading
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from appliance.proxy.app import ProxyServer
@@ -15,7 +15,9 @@ from appliance.proxy.app import ProxyServer
 from .conftest import make_cfg
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/chat/completions/render", "/v1/completions/render",
-         "/tokenize")
+         "/tokenize", "/v1/responses", "/detokenize", "/v1/embeddings", "/v1/rerank", "/v1/responses/resp_x/cancel")
+GET_PATHS = ("/v1/models", "/v1/models/tiny", "/v1/models/nope", "/version", "/v1/responses/resp_x",
+             "/v1/responses/resp_x?stream=true", "/health", "/nope")
 json_leaf = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=30)
 json_any = st.recursive(json_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c,
                                                                                        max_size=4), max_leaves=12)
@@ -34,6 +36,12 @@ openai_like = st.fixed_dictionaries({}, optional={
     "n": st.integers(-1, 3) | json_leaf,
     "kv_transfer_params": json_any,
     "extra_field": json_any,
+    "input": st.text(max_size=60) | messages | json_any,
+    "instructions": st.text(max_size=20) | json_leaf,
+    "max_output_tokens": st.integers(-5, 10**7) | json_leaf,
+    "previous_response_id": st.sampled_from(["resp_x", ""]) | json_leaf,
+    "store": st.booleans() | json_leaf,
+    "tokens": st.lists(st.integers(-3, 3000), max_size=5) | json_any,
 })
 bodies = (openai_like.map(lambda d: json.dumps(d).encode()) | json_any.map(lambda d: json.dumps(d).encode())
           | st.binary(max_size=200))
@@ -98,6 +106,8 @@ def check(status, ctype, data):
     if status >= 400:
         err = json.loads(data)["error"]
         assert err["message"] and err["type"] and "code" in err
+    elif "event-stream" in ctype and b"event: response." in data:     # the Responses API's typed events
+        assert b"event: response.completed" in data.rsplit(b"\n\n", 2)[-2]
     elif "event-stream" in ctype:
         assert data.rstrip().endswith(b"data: [DONE]")
     else:
@@ -108,15 +118,24 @@ FUZZ = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthC
                                                                          HealthCheck.too_slow], database=None)
 
 
+def _ok(**kw) -> bytes:
+    return json.dumps({"model": "tiny", **kw}).encode()
+
+
 @FUZZ
 @given(body=bodies, path=st.sampled_from(PATHS))
+@example(body=_ok(input="hi", max_output_tokens=3, stream=True), path="/v1/responses")
+@example(body=_ok(input=[{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]), path="/v1/responses")
+@example(body=_ok(input="hi", previous_response_id="resp_x"), path="/v1/responses")
+@example(body=_ok(tokens=[1001, 1002]), path="/detokenize")
+@example(body=_ok(input="hi"), path="/v1/embeddings")
 def test_fuzz_bodies(live, body, path):
     check(*live.request("POST", path, body, {"Content-Type": "application/json"}))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           database=None)
-@given(hdrs=headers, path=st.sampled_from(PATHS + ("/v1/models", "/health", "/nope")),
+@given(hdrs=headers, path=st.sampled_from(PATHS + GET_PATHS),
        method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]))
 def test_fuzz_headers_and_methods(live, hdrs, path, method):
     body = json.dumps({"model": "tiny", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}],

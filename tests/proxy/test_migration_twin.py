@@ -65,7 +65,9 @@ async def run(px_url: str, path: str, body: dict) -> tuple:
 
 
 def cfg(urls, **kw):
-    base = make_cfg([], [], canary_interval_s=60, **kw)
+    """Adaptive policy: whole requests on the least loaded twin, ties taken in turn, so both twins get some
+    (pdctl's affinity could send every one of these equal prompts to the same twin)."""
+    base = make_cfg([], [], canary_interval_s=60, policy="adaptive", **kw)
     from dataclasses import replace
     return replace(base, backends=tuple(BackendSpec(u, "both", name=f"both-{i}") for i, u in enumerate(urls)))
 

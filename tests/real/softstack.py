@@ -29,8 +29,9 @@ def _free_port_pair() -> int:
     raise RuntimeError("no two consecutive free loopback ports")
 
 
-def soft_plan(model_dir, venv, ports: dict) -> dict:
-    """The Plan (JSON) for 2 kv_both CPU workers: exactly what ``pdctl plan --engine vllm-cpu --both 2`` gives."""
+def soft_plan(model_dir, venv, ports: dict, **extra) -> dict:
+    """The Plan (JSON) for 2 kv_both CPU workers: exactly what ``pdctl plan --engine vllm-cpu --both 2`` gives
+    (``extra``: more planner Overrides, e.g. the [plan] keys a module is about)."""
     from appliance import planner as PL
     from appliance.inventory import detect
     from appliance.models import resolve
@@ -40,7 +41,7 @@ def soft_plan(model_dir, venv, ports: dict) -> dict:
                       kv_http_port=ports["kv_http"], prefill_port_base=ports["prefill_base"],
                       decode_port_base=ports["decode_base"], proxy_port=ports["proxy"],
                       proxy_internal_port=ports["proxy_internal"], l1_size_gb=L1_SIZE_GB, both=2,
-                      both_port_base=ports["both_base"])
+                      both_port_base=ports["both_base"], **extra)
     plan = PL.make_plan(detect("none"), model, PL.Workload(), ov)
     assert [w.role for w in plan.workers] == ["both", "both"], plan.workers
     return plan.to_json()
@@ -85,19 +86,25 @@ class SoftStack:
 
 @pytest.fixture(scope="module")
 def soft(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report):
-    workdir = tmp_path_factory.mktemp("soft-roles")
+    yield from soft_stack(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report, "soft-roles")
+
+
+def soft_stack(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report, name: str, **extra):
+    """Start the stack (for a module fixture: ``yield from``), stop it and check nothing is left behind."""
+    workdir = tmp_path_factory.mktemp(name)
     keys = ["kv_zmq", "kv_http", "prefill_base", "decode_base", "proxy", "proxy_internal"]
     ports = dict(zip(keys, free_ports(len(keys))))
     ports["both_base"] = _free_port_pair()
-    plan = soft_plan(tiny_model_dir, engines_venv_dir, ports)
+    plan = soft_plan(tiny_model_dir, engines_venv_dir, ports, **extra)
     (workdir / "plan.json").write_text(json.dumps(plan, indent=2))
     sink = TelemetrySink(ports["proxy_internal"])
     stack = RealStack(plan=plan, workdir=workdir, sink=sink)
     t0 = time.monotonic()
     try:
         stack.start(kv_timeout_s=START_TIMEOUT_S / 2, engines_timeout_s=START_TIMEOUT_S)
-        real_report["soft_roles_stack"] = {**stack.timings, "ready_s": round(time.monotonic() - t0, 1),
-                                           "plan_built_by": "make_plan(both=2)"}
+        real_report[name.replace("-", "_") + "_stack"] = {**stack.timings, "ready_s": round(time.monotonic() - t0, 1),
+                                                          "plan_built_by": f"make_plan(both=2{', ' if extra else ''}"
+                                                                           f"{', '.join(f'{k}={v}' for k, v in extra.items())})"}
         yield SoftStack(stack=stack, ports=ports, names=[f"http://127.0.0.1:{w['port']}" for w in plan["workers"]])
     finally:
         stack.stop()
