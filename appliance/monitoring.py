@@ -2,7 +2,7 @@
 the same numbers the TUI shows, from the proxy's, the engines' and LMCache's own ``/metrics``.
 
 Generated from the Plan (the one owner of ports) and the metric-name owners (appliance/constants.py,
-appliance/collector/names.py), so a port or a name changes in one place. Every target is on loopback,
+appliance/metric_names.py), so a port or a name changes in one place. Every target is on loopback,
 as the plan binds them: Prometheus runs on the box (or scrapes through an exporter the operator trusts).
 The checked-in etc/prometheus/pdctl.yml and etc/grafana/pdctl-dashboard.json are this module's output
 for the default plan (a test keeps them so).
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import constants as C
-from .collector import names as N
+from . import metric_names as N
 
 JOB_PROXY, JOB_ENGINES, JOB_KV = "pdctl-proxy", "pdctl-engines", "pdctl-kvcache"
 SCRAPE_INTERVAL = "5s"

@@ -31,7 +31,7 @@ for _p in (str(HERE.parent), str(HERE)):
 
 from appliance.proxy import cli as proxy_cli  # noqa: E402
 from appliance.proxy.app import ProxyServer, _error_body  # noqa: E402
-from appliance.proxy.server import Response  # noqa: E402
+from appliance.wire.server import Response  # noqa: E402
 from wire_clients import install_client  # noqa: E402
 
 log = logging.getLogger("pdctl.proxy")

@@ -300,7 +300,7 @@ class ScriptEngine(asyncio.Protocol):
 
 
 async def _client_probes(client: str, port: int) -> dict:
-    from appliance.proxy.upstream import Pool
+    from appliance.wire.client import Pool
 
     made: list = []
 

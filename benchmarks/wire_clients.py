@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from appliance.proxy.upstream import UpstreamError, UpstreamTimeout  # noqa: E402
+from appliance.wire.client import UpstreamError, UpstreamTimeout  # noqa: E402
 
 CLIENTS = ("lean", "httpx", "aiohttp")
 

@@ -17,14 +17,15 @@ from appliance import constants as C
 from appliance.inventory import NA, is_na
 
 from . import figures as F
-from . import names as N
+from .. import metric_names as N
 from . import routing
 from . import state as S
 from .gpus import GpuSampler, NoGpus, default_sampler
 from .history import History
 from .rates import Window, quantile, ratio, sum_values
 from .saved import prefill_saved
-from .scrape import Fetched, Fetcher, Metrics, parse_json, parse_metrics
+from .scrape import Fetched, Fetcher, parse_json
+from ..wire.prom import Metrics, parse_metrics
 from .snapshot import (GpuProcess, GpuSample, KVLayers, KVServerStatus, ProxyStatus, Snapshot, Traffic,
                        UnitState, WorkerStatus, na_unit)
 from .units import SystemctlUnits, UnitSource

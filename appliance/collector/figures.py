@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from appliance.inventory import NA
 
-from . import names as N
+from .. import metric_names as N
 from .rates import Window, quantile
 
 

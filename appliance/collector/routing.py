@@ -14,9 +14,9 @@ from appliance import constants as C
 from appliance.decide import AGGREGATE, SPLIT
 from appliance.inventory import NA
 
-from . import names as N
+from .. import metric_names as N
 from .rates import Window
-from .scrape import Metrics
+from ..wire.prom import Metrics
 from .snapshot import LEG_KINDS, DecisionMix, DecisionReason, LegCounts
 
 DECISION = "px:decision:"          # window series: px:decision:<kind>:<reason>

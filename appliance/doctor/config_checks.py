@@ -5,7 +5,7 @@ import re
 from typing import Any, Optional
 
 from appliance import constants as C
-from appliance.collector.scrape import Metrics
+from appliance.wire.prom import Metrics
 from appliance.engine_flags import ROLE_TO_KV_ROLE
 from appliance.inventory import Inventory, is_na
 

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from appliance import constants as C
-from appliance.collector import names as N
-from appliance.collector.scrape import Fetched, Fetcher, Metrics, parse_metrics
+from appliance import metric_names as N
+from appliance.collector.scrape import Fetched, Fetcher
+from appliance.wire.prom import Metrics, parse_metrics
 from appliance.inventory import NA, Inventory, is_na
 
 PROXY_STATUS_PATH = C.BOX_STATUS_PATH

@@ -5,8 +5,8 @@ import re
 from typing import Any, Optional
 
 from appliance import constants as C
-from appliance.collector import names as N
-from appliance.collector.scrape import Metrics
+from appliance import metric_names as N
+from appliance.wire.prom import Metrics
 from appliance.inventory import is_na
 
 from .argv import flag, kv_config, running_argv

@@ -24,7 +24,7 @@ from .metrics import ProxyMetrics
 from ..decide import AGGREGATE, R_ENGINE_STATE, R_NO_PREFILLER, SPLIT
 from .routing import POLICIES, SKIP_NO_PREFILLER, PrefixIndex, Route, affinity_key
 from .scrape import Watcher
-from .server import LeanServer, Request, Response
+from ..wire.server import Request, Response, Server
 from .telemetry import StoreWaiter, new_request_id
 from .canary import canary_loop, canary_once
 from .tokens import CharsPerToken
@@ -156,7 +156,7 @@ class ProxyServer:
             m = request.method
             return routes.get(("GET" if m == "HEAD" else m, request.path), unknown)(request)
 
-        srv = LeanServer(dispatch, _error_body, limits=lifecycle.limits(self.cfg, which))
+        srv = Server(dispatch, _error_body, limits=lifecycle.limits(self.cfg, which), name="the proxy")
         real = await srv.start(host, port, self.sockets.pop(which, None))
         self._servers.append(srv)
         return real
@@ -166,7 +166,7 @@ class ProxyServer:
         return lifecycle.reload(self, new_cfg)
 
     async def drain(self, timeout_s: float) -> list:
-        """Graceful stop, first half: stop accepting, finish what is in flight (lifecycle, LeanServer.drain)."""
+        """Graceful stop, first half: stop accepting, finish what is in flight (lifecycle, wire Server.drain)."""
         return list(await asyncio.gather(*(s.drain(timeout_s) for s in self._servers)))
 
     async def stop(self) -> None:

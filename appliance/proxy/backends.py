@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 from .breaker import OPEN, Breaker
 from .config import BackendSpec
-from .upstream import Pool, UpstreamError
+from ..wire.client import Pool, UpstreamError
 
 LEG_KINDS = ("full", "prefill", "decode")   # a whole (aggregated) request, a P leg, a D leg
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .errors import ProxyError, engine_refusal, unavailable, upstream_failed
 from .migrate import with_token_ids
 from .responses import PATH as RESPONSES_PATH, prefill_body as responses_prefill_body
-from .upstream import Conn, UpstreamError
+from ..wire.client import Conn, UpstreamError
 
 _P_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 
@@ -164,7 +164,7 @@ class Legs:
             except asyncio.CancelledError:
                 b.breaker.release()
                 raise
-            except (UpstreamError, LegFailure, ValueError) as e:
+            except (UpstreamError, LegFailure) as e:        # the backend's fault; a bug of ours is not
                 reason = str(e) if str(e).startswith(b.label) else f"{b.label}: {e}"
                 errors.append(reason)
                 b.record_failure(reason)

@@ -19,7 +19,7 @@ from .. import sdnotify
 from .backends import Backend
 from .breaker import Breaker
 from .routing import POLICIES
-from .server import Limits
+from ..wire.server import Limits
 
 log = logging.getLogger("pdctl.proxy")
 PUBLIC, INTERNAL = "public", "internal"

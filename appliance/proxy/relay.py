@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from . import migrate as M
 from .errors import ProxyError
 from .legs import DecodeStream, Passthrough
-from .upstream import UpstreamError
+from ..wire.client import UpstreamError
 from .validate import CHAT
 
 log = logging.getLogger("pdctl.proxy")

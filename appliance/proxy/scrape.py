@@ -8,32 +8,30 @@ import logging
 import time
 
 from .. import constants as C
-from .upstream import UpstreamError, UpstreamTimeout
+from .. import metric_names as N
+from ..wire.client import UpstreamError, UpstreamTimeout
+from ..wire.prom import parse_metrics
 
 log = logging.getLogger("pdctl.proxy")
 
-_WANT = {C.VLLM_RUNNING: "running", C.VLLM_WAITING: "waiting", C.VLLM_KV_USAGE: "kv_usage",
-         C.VLLM_EXT_PREFIX_QUERIES + "_total": "ext_queries", C.VLLM_EXT_PREFIX_HITS + "_total": "ext_hits",
-         C.VLLM_PROMPT_TOKENS + "_total": "prompt_tokens", C.VLLM_GENERATION_TOKENS + "_total": "generation_tokens",
-         C.VLLM_ITERATION_TOKENS + "_count": "steps"}
+# what routing and hung-worker detection read from an engine's /metrics: logical name -> sample suffix
+_LOAD = {"running": "", "waiting": "", "kv_usage": "", "ext_queries": "_total", "ext_hits": "_total",
+         "prompt_tokens": "_total", "gen_tokens": "_total", "steps": "_count"}
+_LOAD_NAMES = N.all_names({k: N.VLLM[k] for k in _LOAD})
 
 
 def parse_load(text: str) -> dict:
-    """Sum the gauges routing needs over all label sets (one per engine/DP rank); absent names stay absent."""
+    """The load figures, summed over all label sets (one per engine/DP rank), under whichever name this
+    engine version exposes (metric_names: renamed metrics read right on older vLLM); absent ones stay absent."""
+    m = parse_metrics(text, _LOAD_NAMES)
+    if isinstance(m, str):
+        return {}
     out: dict = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_end = line.find("{")
-        sp = line.rfind(" ")
-        name = line[:name_end] if name_end != -1 else line[:line.find(" ")]
-        key = _WANT.get(name)
-        if key is None or sp == -1:
-            continue
-        try:
-            out[key] = out.get(key, 0.0) + float(line[sp + 1:])
-        except ValueError:
-            continue
+    for logical, suffix in _LOAD.items():
+        name = N.resolve(N.VLLM, logical, m.names)
+        v = m.total(name, suffix) if name is not None else None
+        if v is not None:
+            out[logical] = v
     return out
 
 
@@ -52,7 +50,7 @@ class Watcher:
         """Watch the KV server: when it is down (restarting) its L1 is gone, so every prefix the proxy believed
         stored is forgotten (else the P leg would be skipped for prefixes the decoders can no longer load)."""
         from urllib.parse import urlsplit
-        from .upstream import Pool
+        from ..wire.client import Pool
         u = urlsplit(self.s.cfg.kv_url)
         pool = Pool(u.hostname or "127.0.0.1", u.port or 80, self.s.cfg.connect_timeout_s)
         was_up = True
@@ -138,7 +136,7 @@ class Watcher:
         b.ext_queries, b.ext_hits = vals.get("ext_queries"), vals.get("ext_hits")
         self._calibrate(b, vals.get("prompt_tokens"))
         b.scraped_at = time.monotonic()
-        work = sum(vals.get(k, 0.0) for k in ("prompt_tokens", "generation_tokens", "steps"))
+        work = sum(vals.get(k, 0.0) for k in ("prompt_tokens", "gen_tokens", "steps"))
         if b.work_seen is not None and work > b.work_seen:
             b.touch(b.scraped_at)      # the engine works (maybe for others): not hung (stall.py)
         b.work_seen = work

@@ -19,7 +19,7 @@ from urllib.parse import unquote
 
 from . import responses as RS
 from .errors import UNAUTHORIZED, ProxyError, bad_request
-from .server import Response
+from ..wire.server import Response
 from .telemetry import new_request_id
 
 DETOKENIZE, VERSION = "/detokenize", "/version"

@@ -19,7 +19,7 @@ import logging
 from .breaker import CLOSED
 from .legs import _post_whole
 from .telemetry import new_request_id
-from .upstream import UpstreamError
+from ..wire.client import UpstreamError
 
 log = logging.getLogger("pdctl.proxy")
 PRODUCERS = ("prefill", "both")

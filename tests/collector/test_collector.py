@@ -8,7 +8,7 @@ import pytest
 from collector_servers import lmcache_metrics, make_plan, proxy_metrics, vllm_metrics
 
 from appliance.collector import CallableSampler, Collector, NoGpus, NoUnits, collect_once
-from appliance.collector.scrape import parse_metrics
+from appliance.wire.prom import parse_metrics
 from appliance.inventory import NA, is_na
 
 KV_STATUS = {"is_healthy": True, "chunk_size": 256, "active_sessions": 2,
@@ -293,7 +293,7 @@ def test_prefiltered_parse_gives_the_same_snapshot_as_prometheus_client_on_whole
     """The collector parses only the families it reads; a collector fed prometheus_client's parse of the
     whole scrape (real vLLM 0.32 text) must build the very same Snapshot."""
     from appliance.collector import collector as col
-    from appliance.collector.scrape import reference_parse
+    from appliance.wire.prom import reference_parse
     plan, ep = stack
 
     class Clock:

@@ -18,7 +18,7 @@ from promcheck import check, expressions, selectors  # noqa: E402
 from test_twin_stack import twin_stack  # noqa: E402,F401  (the fixture)
 
 from appliance import monitoring  # noqa: E402
-from appliance.collector import names as N  # noqa: E402
+from appliance import metric_names as N  # noqa: E402
 from appliance.fleet import yamlout  # noqa: E402
 from appliance.plan import Plan  # noqa: E402
 

@@ -14,7 +14,7 @@ from collector_servers import lmcache_metrics, make_plan, proxy_metrics, vllm_me
 
 from appliance import journal
 from appliance.actions import run_unit_action, unit_action_argv
-from appliance.collector import names as N
+from appliance import metric_names as N
 from appliance.collector.rates import quantile
 from appliance.collector.units import SystemctlUnits, parse_show, show_argv
 from appliance.inventory import is_na
@@ -149,7 +149,7 @@ def _canon(fams: dict) -> dict:
 
 def test_cached_parse_agrees_with_prometheus_client_on_a_real_scrape():
     from appliance.collector import collector as col
-    from appliance.collector.scrape import _TEMPLATES, parse_metrics, prefilter, reference_parse
+    from appliance.wire.prom import _TEMPLATES, parse_metrics, prefilter, reference_parse
     text = (FIX / "vllm_cpu_0.32.txt").read_text()
     whole = parse_metrics(text)
     assert len(whole.families) > 80
@@ -183,8 +183,8 @@ def test_cached_parse_agrees_with_prometheus_client_on_a_real_scrape():
 
 def test_prefilter_keeps_every_family_the_collector_reads():
     from appliance.collector import collector as col
-    from appliance.collector import names as N
-    from appliance.collector.scrape import parse_metrics, reference_parse
+    from appliance import metric_names as N
+    from appliance.wire.prom import parse_metrics, reference_parse
     text = (FIX / "vllm_cpu_0.32.txt").read_text()
     full, kept = reference_parse(text), parse_metrics(text, col._W_WANTED)
     for logical in col._W_LOGICAL:

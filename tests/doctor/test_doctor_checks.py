@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.collector.scrape import parse_metrics
+from appliance.wire.prom import parse_metrics
 from appliance.doctor import checks as K
 from appliance.doctor import pairs
 from appliance.doctor.probe import KVFacts, Facts, Proc, WorkerFacts, parse_cpulist, sysfs_bdf

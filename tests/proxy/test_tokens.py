@@ -29,8 +29,18 @@ def test_watcher_feeds_chars_sent_against_the_engine_counter():
     w = Watcher.__new__(Watcher)
     w.s = server
     b = SimpleNamespace(prompt_chars_sent=0, chars_seen=0, tokens_seen=None)
-    text = 'vllm:prompt_tokens_total{engine="0",model_name="m"} 1000.0\nvllm:num_requests_running{engine="0"} 1.0\n'
+    text = ('# TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{engine="0",model_name="m"} 1000.0\n'
+            '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 1.0\n')
     w._calibrate(b, parse_load(text)["prompt_tokens"])          # first scrape: a baseline only
     b.prompt_chars_sent = 9000
     w._calibrate(b, 1000.0 + 3000)                               # 9000 chars became 3000 tokens
     assert server.chars_per_token.learned and server.chars_per_token.value == 3.0
+
+
+def test_load_reads_renamed_metrics_of_an_older_vllm():
+    """vLLM < 0.10 called the KV usage gauge vllm:gpu_cache_usage_perc: routing must still see it."""
+    old = ('# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{engine="0"} 0.75\n'
+           '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 2.0\n'
+           'vllm:num_requests_running{engine="1"} 1.0\n')
+    assert parse_load(old) == {"kv_usage": 0.75, "running": 3.0}
+    assert parse_load("garbage {{{") == {}

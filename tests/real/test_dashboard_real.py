@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collector"))
 from promcheck import check  # noqa: E402
 
 from appliance import constants as C  # noqa: E402
-from appliance.collector import names as N  # noqa: E402
+from appliance import metric_names as N  # noqa: E402
 from appliance.inventory import is_na  # noqa: E402
 from appliance.plan import Plan  # noqa: E402
 

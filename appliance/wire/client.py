@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 client for the engines on loopback: keep-alive pools, no per-request task.
+"""The one HTTP/1.1 client of pdctl: keep-alive pools to loopback services, no per-request task.
 
 Why not aiohttp's client: on this class of box it was the largest CPU cost per request in the proxy
 (``benchmarks/proxy_overhead.py``; see benchmarks/README.md). The engines speak plain HTTP/1.1 (uvicorn/h11):
@@ -32,6 +32,7 @@ class Conn(asyncio.Protocol):
         self.transport = None
         self.closed = False
         self.uses = 0
+        self.in_pool = False          # idle in its pool: no request outstanding, so no byte may arrive
         self.parser = httptools.HttpResponseParser(self)
         self._reset()
 
@@ -64,6 +65,10 @@ class Conn(asyncio.Protocol):
 
     def data_received(self, data):
         self.seen += len(data)
+        if self.in_pool:                # bytes while nothing was asked: this connection cannot be trusted again
+            self.keep_alive = False
+            self.close()
+            return
         if self.state == _DONE:
             self.keep_alive = False     # bytes nobody asked for: do not reuse this connection
             return
@@ -83,7 +88,8 @@ class Conn(asyncio.Protocol):
 
     def on_headers_complete(self):
         status = self.parser.get_status_code()
-        if 100 <= status < 200:
+        if 100 <= status < 200:         # an interim answer (100 Continue, 103 Early Hints): not the answer's head
+            self.headers = {}
             return
         self.status = status
         self.state = _BODY
@@ -178,6 +184,7 @@ class Conn(asyncio.Protocol):
         """Back to the pool when the answer was read to the end on a keep-alive connection, else closed."""
         if self.state == _DONE and self.keep_alive and self.error is None and not self.closed:
             self._reset()
+            self.in_pool = True
             self.pool._idle.append(self)
         else:
             self.close()
@@ -218,6 +225,7 @@ class Pool:
         """Write one request on an idle (or new) connection; read the answer from the returned Conn."""
         while self._idle:
             conn = self._idle.pop()
+            conn.in_pool = False
             if not conn.closed and not conn.transport.is_closing():
                 break
         else:

@@ -41,6 +41,7 @@ VLLM: dict[str, tuple[MetricName, ...]] = {
     # TPOT histogram would count a P leg as a 0 s TPOT); renamed in vLLM 0.11
     "itl": (MetricName(C.VLLM_ITL, "0.11.0"), MetricName("vllm:time_per_output_token_seconds", "", "0.12.0")),
     "prompt_cached": (MetricName(C.VLLM_PROMPT_CACHED, ""),),     # local + external cached prompt tokens
+    "steps": (MetricName(C.VLLM_ITERATION_TOKENS, ""),),            # histogram: its _count counts engine steps
 }
 
 LMCACHE: dict[str, tuple[MetricName, ...]] = {

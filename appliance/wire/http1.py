@@ -1,58 +1,27 @@
-"""A lean HTTP/1.1 server for the proxy's ports (httptools parser, asyncio/uvloop protocol).
+"""One HTTP/1.1 connection of a wire server: parsing (httptools), deadlines, answers, streamed answers.
 
-Why not aiohttp's server: without it the whole proxy used ~15 % less CPU per request (benchmarks/README.md,
-"Proxy overhead"). What it does: keep-alive and pipelining (one request at a time per connection),
-``Expect: 100-continue``, Content-Length and chunked request bodies with a size limit (413 before reading it
-all), malformed input -> 400 and close. A client that goes away cancels its handler task, which closes the
-upstream legs with it.
-
-The public port faces the network, so every resource a client can hold is bounded (``Limits``, the
-``[listener]`` section of pdctl.toml; nginx's and uvicorn's defaults were the model): the request head must
-arrive within ``header_timeout_s`` and may not exceed ``max_header_bytes`` even while incomplete (httptools
-buffers a partial header internally, so the bytes are counted as they arrive), a body may pause at most
-``body_timeout_s`` between reads, an idle keep-alive connection lives ``keepalive_timeout_s``, a client that
-takes nothing of its answer for ``send_timeout_s`` is dropped (its handler is cancelled, so its upstream legs
-close), and beyond ``max_connections`` a new connection gets a 503 and is closed. One sweep per server
-checks the deadlines (no timer per request: the data path only stores a number). ``HEAD`` is answered like
-``GET`` without the body. ``drain`` stops accepting and lets in-flight answers finish (a graceful stop).
+Keep-alive and pipelining (one request at a time per connection, answers in order), ``Expect: 100-continue``,
+Content-Length and chunked request bodies with a size limit (413 before reading it all), malformed input -> 400
+and close, HEAD without a body. The request head is counted while it arrives (httptools keeps a partial header
+in its own buffer), so a header that never ends is refused at ``max_header_bytes``. A client that goes away
+cancels its handler task, which closes whatever the handler had open upstream. Deadlines are stored here and
+checked by the server's sweep (server.py), never by a timer per request.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-from collections import Counter, deque
-from dataclasses import dataclass
+from collections import deque
 from http import HTTPStatus
 
 import httptools
 
-from ..config import default as _d
-
-log = logging.getLogger("pdctl.proxy")
+log = logging.getLogger("pdctl.wire")
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _MAX_URL_BYTES = 16 * 1024
 _PIPELINE_DEPTH = 32
 _LINGER_S = 1.0            # a refused connection is closed this long after its 503 (the client reads it first)
 IDLE, HEAD, BODY = 0, 1, 2  # where a connection is in reading its next request
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one client may hold of a listener ([listener] in pdctl.toml; defaults from the config schema)."""
-    header_timeout_s: float = _d("listener", "header_timeout_s")
-    body_timeout_s: float = _d("listener", "body_timeout_s")
-    keepalive_timeout_s: float = _d("listener", "keepalive_timeout_s")
-    send_timeout_s: float = _d("listener", "send_timeout_s")
-    max_connections: int = _d("listener", "max_connections")
-    max_header_bytes: int = _d("listener", "max_header_bytes")
-    max_body_bytes: int = _d("listener", "max_body_bytes")
-
-    @property
-    def tick_s(self) -> float:
-        """How often the deadlines are checked: a quarter of the shortest timeout, within 50 ms .. 1 s."""
-        shortest = min(self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s, self.send_timeout_s)
-        return max(0.05, min(1.0, shortest / 4))
 
 
 def _head(status: int, headers: dict, extra: bytes) -> bytes:
@@ -121,7 +90,7 @@ class Request:
             await self.conn.send(out)
 
 
-class _Conn(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     def __init__(self, server):
         self.server = server
         self.parser = httptools.HttpRequestParser(self)
@@ -163,7 +132,7 @@ class _Conn(asyncio.Protocol):
         srv = self.server
         self.dead = self.closed = True
         srv.stats["refused_max_connections"] += 1
-        body = srv.error_body(503, f"the proxy already holds {len(srv.conns)} client connections, its limit "
+        body = srv.error_body(503, f"{srv.name} already holds {len(srv.conns)} client connections, its limit "
                                    "([listener] max_connections); retry shortly", "too_many_connections")
         t = self.transport
         t.write(_head(503, {"Content-Type": "application/json", "Content-Length": len(body), "Retry-After": 1},
@@ -251,7 +220,7 @@ class _Conn(asyncio.Protocol):
         cl = self.headers.get("content-length")
         limit = self.server.max_body
         if cl is not None and cl.strip().isdigit() and int(cl) > limit:
-            self._reject(413, f"request body is larger than the proxy's limit of {limit} bytes; "
+            self._reject(413, f"request body is larger than {self.server.name}'s limit of {limit} bytes; "
                               "shorten the prompt or raise [listener] max_body_bytes", code="body_too_large")
             return
         if self.headers.get("expect", "").lower() == "100-continue":
@@ -263,7 +232,7 @@ class _Conn(asyncio.Protocol):
         self.body_len += len(body)
         limit = self.server.max_body
         if self.body_len > limit:
-            self._reject(413, f"request body is larger than the proxy's limit of {limit} bytes; "
+            self._reject(413, f"request body is larger than {self.server.name}'s limit of {limit} bytes; "
                               "shorten the prompt or raise [listener] max_body_bytes", code="body_too_large")
             return
         self.body_parts.append(body)
@@ -283,7 +252,7 @@ class _Conn(asyncio.Protocol):
         if len(self.queue) > _PIPELINE_DEPTH:
             self.transport.pause_reading()   # a client pipelining this deep waits for answers first
 
-    # --- deadlines (LeanServer._sweep) --------------------------------------------------------
+    # --- deadlines (Server._sweep) --------------------------------------------------------
     def expire(self, now: float) -> None:
         if self.write_deadline is not None and now > self.write_deadline:
             self.server.stats["closed_send_timeout"] += 1
@@ -348,7 +317,7 @@ class _Conn(asyncio.Protocol):
                     if req.started:
                         self.transport.close()
                         return
-                    body = self.server.error_body(500, f"proxy internal error ({type(e).__name__})",
+                    body = self.server.error_body(500, f"{self.server.name}: internal error ({type(e).__name__})",
                                                   "internal_error")
                     resp = Response(body, 500)
                 if self.server.draining:
@@ -373,81 +342,3 @@ class _Conn(asyncio.Protocol):
         return self.task is None and not self.queue and self.phase == IDLE
 
 
-class LeanServer:
-    def __init__(self, dispatch, error_body, max_body: int | None = None, limits: Limits | None = None):
-        self.limits = limits or Limits()
-        self.dispatch, self.error_body = dispatch, error_body
-        self.max_body = max_body if max_body is not None else self.limits.max_body_bytes
-        self.loop = None
-        self.server = None
-        self.conns: set = set()
-        self.draining = False
-        self.stats: Counter = Counter()     # connections closed or refused by a limit, by reason
-        self._sweeper: asyncio.Task | None = None
-
-    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
-        """Listen on ``host:port``, or serve ``sock`` (a listening socket handed over by systemd)."""
-        self.loop = asyncio.get_running_loop()
-        if sock is not None:
-            self.server = await self.loop.create_server(lambda: _Conn(self), sock=sock, backlog=2048)
-        else:
-            self.server = await self.loop.create_server(lambda: _Conn(self), host, port, backlog=2048,
-                                                        reuse_address=True)
-        self._sweeper = self.loop.create_task(self._sweep())
-        return self.server.sockets[0].getsockname()[1]
-
-    def set_limits(self, limits: Limits, max_body: int | None = None) -> None:
-        """New limits for new deadlines and checks (a reload); deadlines already set run out as they were."""
-        self.limits = limits
-        self.max_body = max_body if max_body is not None else limits.max_body_bytes
-
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(self.limits.tick_s)
-            now = self.loop.time()
-            for c in list(self.conns):
-                if c.read_deadline is not None or c.write_deadline is not None:
-                    c.expire(now)
-
-    def _close_idle(self) -> int:
-        n = 0
-        for c in list(self.conns):
-            if c.idle() and c.transport is not None:
-                c.dead = True
-                c.transport.close()
-                n += 1
-        return n
-
-    async def drain(self, timeout_s: float) -> dict:
-        """Graceful stop: stop accepting (a socket systemd holds stays open: new clients wait in its backlog
-        for the next process), close idle keep-alive connections, let requests in flight finish (their answers
-        say ``Connection: close``) for up to ``timeout_s``, then close what is left. Returns what it saw."""
-        self.draining = True
-        if self.server is not None:
-            self.server.close()
-        busy0 = len(self.conns)
-        idle = self._close_idle()
-        deadline = self.loop.time() + timeout_s
-        while self.conns and self.loop.time() < deadline:
-            await asyncio.sleep(0.05)
-            idle += self._close_idle()
-        left = len(self.conns)
-        for c in list(self.conns):
-            if c.transport is not None:
-                c.transport.close()
-        return {"connections": busy0, "closed_idle": idle, "cut_at_deadline": left}
-
-    async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
-            self._sweeper = None
-        if self.server is not None:
-            self.server.close()
-            for c in list(self.conns):
-                if c.transport is not None:
-                    c.transport.close()
-            try:
-                await asyncio.wait_for(self.server.wait_closed(), 2.0)
-            except asyncio.TimeoutError:
-                pass

@@ -1,0 +1,130 @@
+"""The one HTTP/1.1 server of pdctl: the proxy's public and loopback ports and the twin's surfaces.
+
+Why our own (benchmarks/README.md, "Wire layer choice"): on the proxy's path it costs less CPU per request than
+uvicorn (httptools, raw ASGI) and granian, and the bounds a network-facing listener needs are part of it, where
+uvicorn has no deadline for a request head nor a head size limit on httptools (projects that need them patch
+its protocol class). The parser is httptools (llhttp), the loop uvloop when present.
+
+Every resource a client can hold is bounded (``Limits``, the ``[listener]`` section of pdctl.toml; nginx's and
+uvicorn's defaults were the model): the request head must arrive within ``header_timeout_s`` and may not exceed
+``max_header_bytes`` even while incomplete, a body may pause at most ``body_timeout_s`` between reads, an idle
+keep-alive connection lives ``keepalive_timeout_s``, a client that takes nothing of its answer for
+``send_timeout_s`` is dropped (its handler is cancelled), and beyond ``max_connections`` a new connection gets a
+503 and is closed. One sweep per server checks the deadlines. ``drain`` stops accepting and lets in-flight
+answers finish (a graceful stop); ``start(sock=...)`` serves a socket handed over by systemd.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import Counter
+from dataclasses import dataclass
+
+from ..config import default as _d
+from .http1 import Connection, Request, Response
+
+__all__ = ["Limits", "Server", "Request", "Response"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client may hold of a listener ([listener] in pdctl.toml; defaults from the config schema)."""
+    header_timeout_s: float = _d("listener", "header_timeout_s")
+    body_timeout_s: float = _d("listener", "body_timeout_s")
+    keepalive_timeout_s: float = _d("listener", "keepalive_timeout_s")
+    send_timeout_s: float = _d("listener", "send_timeout_s")
+    max_connections: int = _d("listener", "max_connections")
+    max_header_bytes: int = _d("listener", "max_header_bytes")
+    max_body_bytes: int = _d("listener", "max_body_bytes")
+
+    @property
+    def tick_s(self) -> float:
+        """How often the deadlines are checked: a quarter of the shortest timeout, within 50 ms .. 1 s."""
+        shortest = min(self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s, self.send_timeout_s)
+        return max(0.05, min(1.0, shortest / 4))
+
+
+class Server:
+    """``dispatch(request)`` answers a Request with a Response, or streams it (``request.stream``) and returns
+    None; ``error_body(status, message, code)`` is the body of the errors the server answers itself (the API's
+    own error shape); ``name`` is how those errors name this server ("the proxy")."""
+
+    def __init__(self, dispatch, error_body, max_body: int | None = None, limits: Limits | None = None,
+                 name: str = "the server"):
+        self.name = name
+        self.limits = limits or Limits()
+        self.dispatch, self.error_body = dispatch, error_body
+        self.max_body = max_body if max_body is not None else self.limits.max_body_bytes
+        self.loop = None
+        self.server = None
+        self.conns: set = set()
+        self.draining = False
+        self.stats: Counter = Counter()     # connections closed or refused by a limit, by reason
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
+        """Listen on ``host:port``, or serve ``sock`` (a listening socket handed over by systemd)."""
+        self.loop = asyncio.get_running_loop()
+        if sock is not None:
+            self.server = await self.loop.create_server(lambda: Connection(self), sock=sock, backlog=2048)
+        else:
+            self.server = await self.loop.create_server(lambda: Connection(self), host, port, backlog=2048,
+                                                        reuse_address=True)
+        self._sweeper = self.loop.create_task(self._sweep())
+        return self.server.sockets[0].getsockname()[1]
+
+    def set_limits(self, limits: Limits, max_body: int | None = None) -> None:
+        """New limits for new deadlines and checks (a reload); deadlines already set run out as they were."""
+        self.limits = limits
+        self.max_body = max_body if max_body is not None else limits.max_body_bytes
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.limits.tick_s)
+            now = self.loop.time()
+            for c in list(self.conns):
+                if c.read_deadline is not None or c.write_deadline is not None:
+                    c.expire(now)
+
+    def _close_idle(self) -> int:
+        n = 0
+        for c in list(self.conns):
+            if c.idle() and c.transport is not None:
+                c.dead = True
+                c.transport.close()
+                n += 1
+        return n
+
+    async def drain(self, timeout_s: float) -> dict:
+        """Graceful stop: stop accepting (a socket systemd holds stays open: new clients wait in its backlog
+        for the next process), close idle keep-alive connections, let requests in flight finish (their answers
+        say ``Connection: close``) for up to ``timeout_s``, then close what is left. Returns what it saw."""
+        self.draining = True
+        if self.server is not None:
+            self.server.close()
+        busy0 = len(self.conns)
+        idle = self._close_idle()
+        deadline = self.loop.time() + timeout_s
+        while self.conns and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+            idle += self._close_idle()
+        left = len(self.conns)
+        for c in list(self.conns):
+            if c.transport is not None:
+                c.transport.close()
+        return {"connections": busy0, "closed_idle": idle, "cut_at_deadline": left}
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+        if self.server is not None:
+            self.server.close()
+            for c in list(self.conns):
+                if c.transport is not None:
+                    c.transport.close()
+            try:
+                await asyncio.wait_for(self.server.wait_closed(), 2.0)
+            except asyncio.TimeoutError:
+                pass
