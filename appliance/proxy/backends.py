@@ -50,6 +50,13 @@ class Backend:
         self.pool = Pool(u.hostname or "127.0.0.1", u.port or 80)
         self.probe_pool = Pool(u.hostname or "127.0.0.1", u.port or 80)
 
+    @classmethod
+    def from_config(cls, spec, cfg) -> "Backend":
+        """A backend as the proxy's config asks: its breaker's thresholds, its pools' connect time-out."""
+        b = cls(spec, Breaker(cfg.breaker_failures, cfg.breaker_open_s))
+        b.pool.connect_timeout_s = b.probe_pool.connect_timeout_s = cfg.connect_timeout_s
+        return b
+
     @property
     def url(self) -> str:
         return self.spec.url

@@ -17,8 +17,7 @@ from dataclasses import replace
 
 from .. import sdnotify
 from .backends import Backend
-from .breaker import Breaker
-from .routing import POLICIES
+from .routing import POLICIES, make_policy
 from ..wire.server import Limits
 
 log = logging.getLogger("pdctl.proxy")
@@ -89,8 +88,7 @@ def reload(server, new) -> list[str]:
     for spec in new.backends:
         b = by_url.pop(spec.url, None)
         if b is None:
-            b = Backend(spec, Breaker(new.breaker_failures, new.breaker_open_s))
-            b.pool.connect_timeout_s = b.probe_pool.connect_timeout_s = new.connect_timeout_s
+            b = Backend.from_config(spec, new)
             changes.append(f"added backend {spec.label} ({spec.role}, {spec.url})")
         elif b.spec != spec:
             changes.append(f"backend {spec.label}: {b.spec.role} -> {spec.role}" if b.spec.role != spec.role
@@ -100,12 +98,7 @@ def reload(server, new) -> list[str]:
     for b in by_url.values():
         changes.append(f"removed backend {b.label} ({b.url})")
         asyncio.get_running_loop().create_task(_retire(b, new.drain_timeout_s))
-    prefill = [b for b in backends if b.spec.role == "prefill"]
-    decode = [b for b in backends if b.spec.role in ("decode", "both")]
-    extra = {"thresholds": new.thresholds} if new.policy == "adaptive" else {}
-    policy = POLICIES[new.policy](prefill, decode, new.pd_min_prompt_tokens, server.prefix, **extra)
-    if hasattr(policy, "chars_per_token"):
-        policy.chars_per_token = lambda: server.chars_per_token.value
+    policy = make_policy(new, backends, server.prefix, lambda: server.chars_per_token.value)
     if new.policy != old.policy or new.thresholds != old.thresholds \
             or new.pd_min_prompt_tokens != old.pd_min_prompt_tokens:
         changes.append(f"policy {new.policy}, thresholds {new.thresholds}, pd_min_prompt_tokens "

@@ -210,6 +210,20 @@ class AdaptivePolicy(PdctlPolicy):
 POLICIES = {"adaptive": AdaptivePolicy, "pdctl": PdctlPolicy, "round-robin": RoundRobin}
 
 
+def make_policy(cfg, backends: list, prefix: PrefixIndex, chars_per_token):
+    """The routing policy over ``backends`` as ``cfg`` asks (the proxy's start and its reload build it alike);
+    ``chars_per_token()`` is the server's learned ratio (tokens.py)."""
+    if cfg.policy not in POLICIES:
+        raise ValueError(f"unknown proxy policy {cfg.policy!r}: choose one of {', '.join(POLICIES)}")
+    prefill = [b for b in backends if b.spec.role == "prefill"]
+    decode = [b for b in backends if b.spec.role in ("decode", "both")]
+    extra = {"thresholds": cfg.thresholds} if cfg.policy == "adaptive" else {}
+    policy = POLICIES[cfg.policy](prefill, decode, cfg.pd_min_prompt_tokens, prefix, **extra)
+    if hasattr(policy, "chars_per_token"):
+        policy.chars_per_token = chars_per_token
+    return policy
+
+
 def affinity_key(session_id: str | None, prompt_text: str) -> str | None:
     """Session header when given, else the first prompt chunk (same system prompt -> same decoder)."""
     if session_id:

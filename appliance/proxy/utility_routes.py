@@ -18,6 +18,7 @@ import json
 from urllib.parse import unquote
 
 from . import responses as RS
+from .answers import authorized, client_request_id, error_response
 from .errors import UNAUTHORIZED, ProxyError, bad_request
 from ..wire.server import Response
 from .telemetry import new_request_id
@@ -31,20 +32,36 @@ RESPONSES_PREFIX = RS.PATH + "/"
 MAX_DETOKENIZE = 1 << 20
 
 
-def _crid(request) -> str | None:
-    v = request.headers.get("x-request-id")
-    return v if v and len(v) <= 128 and v.isprintable() and v.isascii() else None
-
-
-def _error(err: ProxyError, rid: str | None) -> Response:
-    return Response(err.body(), err.status, {"X-Request-Id": rid} if rid else None)
+def checked_body(s, request, route: str):
+    """Checks shared by /tokenize and the render routes (key, JSON object, served model): (body, None) or
+    (None, the 4xx answer)."""
+    crid = client_request_id(request)
+    if not authorized(s.cfg, request):
+        s._count(route, "unauthorized")
+        return None, error_response(UNAUTHORIZED, crid)
+    try:
+        body = json.loads(request.body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        body = None
+    if not isinstance(body, dict):
+        s._count(route, "client_error")
+        return None, error_response(bad_request(f"the body of POST {request.path} must be a JSON object",
+                                                code="invalid_json"), crid)
+    model = body.get("model")
+    models = s.known_models()
+    if model is not None and models and model not in models:
+        s._count(route, "client_error")
+        return None, error_response(ProxyError(404, f"model {str(model)[:200]!r} is not served here; served: "
+                                                    f"{', '.join(sorted(models))}", "invalid_request_error",
+                                               "model_not_found", "model"), crid)
+    return body, None
 
 
 def _answer(server, route: str, out, rid: str) -> Response:
     """An engine's answer (Passthrough: a refusal already in OpenAI's shape, legs.py) or the proxy's error, counted."""
     if isinstance(out, ProxyError):
         server._count(route, "unavailable" if out.status == 503 else "upstream_error")
-        return _error(out, rid)
+        return error_response(out, rid)
     server._count(route, "ok" if out.status == 200 else "client_error")
     return Response(out.body, out.status, {"Content-Type": out.content_type, "X-Request-Id": rid})
 
@@ -52,15 +69,15 @@ def _answer(server, route: str, out, rid: str) -> Response:
 # ----- fixed paths ---------------------------------------------------------------------------------------
 def _forward(path: str, route: str, check=None):
     async def handler(server, request):
-        body, refused = server._utility_body(request, route)
+        body, refused = checked_body(server, request, route)
         if refused is not None:
             return refused
-        rid = _crid(request) or new_request_id()
+        rid = client_request_id(request) or new_request_id()
         if check is not None:
             err = check(body)
             if err is not None:
                 server._count(route, "client_error")
-                return _error(err, rid)
+                return error_response(err, rid)
         return _answer(server, route, await server.legs.utility(path, request.body, rid), rid)
     return handler
 
@@ -75,10 +92,10 @@ def _check_detokenize(body: dict) -> ProxyError | None:
 
 
 async def _version(server, request):
-    rid = _crid(request) or new_request_id()
-    if not server._authorized(request):
+    rid = client_request_id(request) or new_request_id()
+    if not authorized(server.cfg, request):
         server._count("version", "unauthorized")
-        return _error(UNAUTHORIZED, rid)
+        return error_response(UNAUTHORIZED, rid)
     return _answer(server, "version", await server.legs.utility(VERSION, b"", rid, "GET"), rid)
 
 
@@ -97,10 +114,10 @@ def fixed(server) -> dict:
 
 # ----- paths with a parameter ------------------------------------------------------------------------------
 async def _model_card(server, request, model: str):
-    rid = _crid(request)
-    if not server._authorized(request):
+    rid = client_request_id(request)
+    if not authorized(server.cfg, request):
         server._count("models", "unauthorized")
-        return _error(UNAUTHORIZED, rid)
+        return error_response(UNAUTHORIZED, rid)
     models = server.known_models()
     if not models:
         await asyncio.gather(*(server.watcher.models(b) for b in server.backends), return_exceptions=True)
@@ -108,7 +125,7 @@ async def _model_card(server, request, model: str):
     if model not in models:
         server._count("models", "client_error")
         served = ", ".join(sorted(models)) or "none yet (no engine answered GET /v1/models)"
-        return _error(ProxyError(404, f"model {model[:200]!r} is not served here; served: {served}",
+        return error_response(ProxyError(404, f"model {model[:200]!r} is not served here; served: {served}",
                                  "invalid_request_error", "model_not_found", "model"), rid)
     server._count("models", "ok")
     mml = models[model]
@@ -120,18 +137,18 @@ async def _model_card(server, request, model: str):
 async def _stored(server, request, resp_id: str, suffix: str):
     """GET /v1/responses/{id} or POST /v1/responses/{id}/cancel, on the engine that holds the response."""
     route = "responses_cancel" if suffix else "responses_get"
-    rid = _crid(request) or new_request_id()
-    if not server._authorized(request):
+    rid = client_request_id(request) or new_request_id()
+    if not authorized(server.cfg, request):
         server._count(route, "unauthorized")
-        return _error(UNAUTHORIZED, rid)
+        return error_response(UNAUTHORIZED, rid)
     if not RS.ID_RE.fullmatch(resp_id):
         server._count(route, "client_error")
-        return _error(bad_request("the response id in the path must be letters, digits and _.:- (e.g. "
+        return error_response(bad_request("the response id in the path must be letters, digits and _.:- (e.g. "
                                   "resp_abc123)", param="response_id", code="invalid_type"), rid)
     query = request.query or ""
     if not suffix and "stream=true" in query.lower():
         server._count(route, "client_error")
-        return _error(bad_request("streamed retrieval (stream=true) of a background response is not served "
+        return error_response(bad_request("streamed retrieval (stream=true) of a background response is not served "
                                   "through the proxy; poll GET /v1/responses/{id} without stream",
                                   param="stream", code="unsupported"), rid)
     home = await RS.locate(server, resp_id, rid)

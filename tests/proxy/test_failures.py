@@ -6,6 +6,9 @@ import json
 import time
 
 import aiohttp
+import pytest
+
+from appliance.decide import Thresholds
 
 from .conftest import make_cfg
 
@@ -46,12 +49,15 @@ async def test_prefill_500_retried_on_another_prefiller(fresh, proxy_factory):
     assert px.server.counts["retries"] >= 1
 
 
-async def test_prefill_failure_never_dispatches_decode_when_told_to_fail(fresh, proxy_factory):
+@pytest.mark.parametrize("policy", ["pdctl", "adaptive"])
+async def test_prefill_failure_never_dispatches_decode_when_told_to_fail(fresh, proxy_factory, policy):
+    """on_prefill_failure = "fail" holds for every policy (the adaptive one too): a 503, no D leg."""
     e = fresh
     e["p0"].mode("error500")
     e["p1"].mode("error500")
     px = await proxy_factory(make_cfg([e["p0"].url, e["p1"].url], [e["d0"].url], canary_interval_s=60,
-                                      on_prefill_failure="fail", policy="pdctl"))
+                                      on_prefill_failure="fail", policy=policy, pd_min_prompt_tokens=0,
+                                      thresholds=Thresholds(aggregate_max_uncached=0, split_idle_max_running=1000)))
     await asyncio.sleep(0.1)
     status, raw = await post(px.url, dict(CHAT, messages=[{"role": "user", "content": "p-fail"}]))
     assert status == 503

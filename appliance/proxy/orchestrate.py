@@ -1,0 +1,142 @@
+"""Per-request orchestration of a generation (completions, chat, Responses): validate, decide (aggregate on one
+worker or split P/D, appliance/decide.py), the P leg and the bounded wait for LMCache's "stored" signal, the D leg,
+then the answer as a whole or streamed (relay.py, which continues a broken stream elsewhere). ``s`` is the
+ProxyServer: the state every route shares.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ..decide import AGGREGATE, R_ENGINE_STATE, R_NO_PREFILLER, SPLIT
+from ..wire.server import Request, Response
+from . import migrate, responses as RS, utility_routes
+from .answers import authorized, client_request_id, error_response
+from .errors import UNAUTHORIZED, ProxyError, bad_request
+from .legs import DecodeStream, Passthrough, decode_body
+from .relay import Relay, StreamJob
+from .routing import SKIP_NO_PREFILLER, Route, affinity_key
+from .telemetry import new_request_id
+from .validate import RESPONSES, parse
+
+STORING_ROLES = ("prefill", "both")   # kv_producer / kv_both: what they compute lands in the KV server
+
+
+async def generate(s, request: Request, path: str, kind: str):
+    t0 = time.monotonic()
+    crid = client_request_id(request)
+    if not authorized(s.cfg, request):
+        s._count(kind, "unauthorized")
+        return error_response(UNAUTHORIZED, crid)
+    parsed = parse(request.body, kind, s.cfg.max_tokens_limit)
+    if isinstance(parsed, ProxyError):
+        s._count(kind, "client_error")
+        return error_response(parsed, crid)
+    models = s.known_models()
+    if not models:  # not fetched yet (just started): ask once, so validation never depends on timing
+        await asyncio.gather(*(s.watcher.models(b) for b in s.backends), return_exceptions=True)
+        models = s.known_models()
+    if models and parsed.model not in models:
+        s._count(kind, "client_error")
+        return error_response(ProxyError(404, f"model {parsed.model[:200]!r} is not served here; served: "
+                                              f"{', '.join(sorted(models))}", "invalid_request_error",
+                                         "model_not_found", "model"), crid)
+    mml = models.get(parsed.model)
+    mk = "max_output_tokens" if kind == RESPONSES else "max_tokens"
+    mt = parsed.body.get(mk) or (None if kind == RESPONSES else parsed.body.get("max_completion_tokens"))
+    if mml and mt and mt > mml:
+        s._count(kind, "client_error")
+        return error_response(bad_request(f"{mk}={mt} exceeds the model's max_model_len {mml}",
+                                          param=mk), crid)
+    for feature in utility_routes.features(parsed.body):      # what clients ask for (pdctl doctor reads it)
+        s.counts["feature:" + feature] += 1
+    s.metrics.inflight.inc()
+    s.counts["inflight"] += 1
+    try:
+        return await _serve(s, request, parsed, path, kind, t0, crid)
+    except asyncio.CancelledError:
+        s._count(kind, "client_disconnect")
+        raise
+    finally:
+        s.metrics.inflight.dec()
+        s.counts["inflight"] -= 1
+
+async def _serve(s, request, parsed, path: str, kind: str, t0: float, crid):
+    m, cfg = s.metrics, s.cfg
+    rid = new_request_id()
+    echo = crid or rid
+    chars = len(parsed.prompt_text)
+    tokens = parsed.prompt_tokens_est if parsed.tokens_exact else s.chars_per_token.estimate(chars)
+    held = await RS.held_by(s, parsed.body, rid) if kind == RESPONSES else None
+    rt = s.policy.route(parsed.prompt_text, tokens) if held is None else \
+        Route(AGGREGATE, R_ENGINE_STATE, None, held.backend, tokens)
+    skip = None if rt.kind == SPLIT else rt.reason
+    kv_params = None
+    if skip is None:
+        waiting = cfg.kv_wait_s > 0 and any(b.spec.telemetry for b in s.policy.prefill)
+        if waiting:
+            s.waiter.expect(rid)
+        try:
+            # never both legs on one worker: a retried P leg avoids the decided D worker
+            pr = await s.legs.prefill(path, parsed.body, rid, rt.prefill, rt.uncached, rt.decode, chars)
+        except BaseException:
+            s.waiter.discard(rid)
+            raise
+        if isinstance(pr, ProxyError):
+            s.waiter.discard(rid)
+            if cfg.on_prefill_failure == "fail":      # the operator's choice: 503 (counted), no fallback
+                s._count(kind, "unavailable")
+                return error_response(pr, echo)
+            skip = SKIP_NO_PREFILLER        # soft roles: the decoder prefills the prompt itself
+            rt = Route(AGGREGATE, R_NO_PREFILLER, None, rt.decode, rt.uncached)
+        elif isinstance(pr, Passthrough):
+            s.waiter.discard(rid)
+            s._count(kind, "client_error" if pr.status < 500 else "upstream_error")
+            return Response(pr.body, pr.status, {"Content-Type": pr.content_type, "X-Request-Id": echo})
+        else:
+            m.prefill.observe(pr.seconds)
+            if waiting and pr.backend.spec.telemetry:
+                stored = await s.waiter.wait(rid, cfg.kv_wait_s)
+                outcome = "stored" if stored else "timeout"
+                m.kv_wait.labels(outcome).inc()
+                s.counts["kv_wait:" + outcome] += 1
+            else:
+                s.waiter.discard(rid)
+            kv_params = pr.kv_params
+            if parsed.prompt_tokens_est >= cfg.pd_min_prompt_tokens:
+                s.prefix.record(parsed.prompt_text)
+    s._decided(rt)
+    if skip is not None:
+        m.pd_skipped.labels(skip).inc()
+        s.counts["skip:" + skip] += 1
+    route = "decode_only" if skip else "pd"
+    unmovable = migrate.unsupported(parsed.body, kind) if parsed.stream else "not_streamed"
+    token_ids = cfg.token_ids and parsed.stream and unmovable is None and cfg.max_migrations > 0
+    data = decode_body(request.body, parsed.body, kv_params, token_ids)
+    if kind == RESPONSES:
+        data = RS.with_response_id(data, parsed.body, rid)
+    aff = affinity_key(request.headers.get("x-session-id"), parsed.prompt_text)
+    d = await s.legs.decode(path, data, rid, aff, parsed.stream, rt.decode, "full" if skip else "decode",
+                               rt.uncached if skip else 0, chars, exclude=held.others if held else frozenset())
+    if kind == RESPONSES:
+        RS.served(s, parsed.body, rid, d)
+    if (skip and isinstance(d, DecodeStream) and d.backend.spec.role in STORING_ROLES
+            and parsed.prompt_tokens_est >= cfg.pd_min_prompt_tokens):
+        s.prefix.record(parsed.prompt_text)     # a kv_both / kv_producer worker stored what it computed
+    if isinstance(d, ProxyError):
+        s._count(kind, "unavailable" if d.status == 503 else "upstream_error")
+        return error_response(d, echo)
+    if isinstance(d, Passthrough):
+        if d.status == 200:
+            dt = time.monotonic() - t0
+            m.ttft_path[route].observe(dt)
+            m.e2e_path[route].observe(dt)
+            s._count(kind, "ok")
+        else:
+            s._count(kind, "client_error" if d.status < 500 else "upstream_error")
+        return Response(d.body, d.status, {"Content-Type": d.content_type, "X-Request-Id": echo})
+    job = StreamJob(kind, parsed.body, rid, aff, route, t0, echo, token_ids,
+                    strip=token_ids and not parsed.body.get("return_token_ids"), unmovable=unmovable,
+                    dialect=RS.StreamDialect() if kind == RESPONSES else None)
+    await Relay(s, request, job).run(d)
+    return None
