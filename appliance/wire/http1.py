@@ -22,6 +22,7 @@ _MAX_URL_BYTES = 16 * 1024
 _PIPELINE_DEPTH = 32
 _LINGER_S = 1.0            # a refused connection is closed this long after its 503 (the client reads it first)
 IDLE, HEAD, BODY = 0, 1, 2  # where a connection is in reading its next request
+_NO_BODY = (204, 304)       # answers that never carry a body (nor, for 204, a Content-Length)
 
 
 def _head(status: int, headers: dict, extra: bytes) -> bytes:
@@ -325,9 +326,14 @@ class Connection(asyncio.Protocol):
                 if resp is not None and not self.closed:
                     body = resp.body
                     hdrs = resp.headers
-                    hdrs["Content-Length"] = len(body)
+                    bodiless = resp.status in _NO_BODY
+                    if bodiless:                   # RFC 9110: no body, and no Content-Length on a 204
+                        hdrs.pop("Content-Type", None)
+                    else:
+                        hdrs["Content-Length"] = len(body)   # HEAD too: the length GET would have
                     extra = b"" if req.keep_alive else b"Connection: close\r\n"
-                    self.transport.write(_head(resp.status, hdrs, extra) + (b"" if req.head_only else body))
+                    self.transport.write(_head(resp.status, hdrs, extra)
+                                         + (b"" if req.head_only or bodiless else body))
                 if not req.keep_alive:
                     self.transport.close()
                     return
