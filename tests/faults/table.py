@@ -3,7 +3,8 @@ from __future__ import annotations
 
 COLS = (("fault", "fault"), ("sent", "sent"), ("ok", "ok"), ("retried", "retried"), ("migrated", "migrated"),
         ("503", "503"),
-        ("stream_errors", "stream errors"), ("cut", "cut (proxy died)"), ("other", "other"), ("silent", "silent 200s"),
+        ("stream_errors", "stream errors"), ("cut", "cut (proxy died)"), ("refused", "refused"),
+        ("garbled", "garbled"), ("other", "other"), ("silent", "silent 200s"),
         ("recover_s", "time to recover (s)"), ("status_shows", "pdctl status shows it"),
         ("max_latency_s", "max latency (s)"), ("note", "note"))
 

@@ -96,7 +96,8 @@ def check_invariants(name: str, res: dict, cuts_allowed: bool = False) -> None:
 def record(name, res, recover_s, status_seen, note="") -> None:
     row = {"fault": name, "sent": res["sent"], "ok": res["ok"], "retried": res["retried"],
            "migrated": res.get("migrated"), "503": res["e503"],
-           "stream_errors": res["stream_error"], "cut": res["cut"], "other": res["other"],
+           "stream_errors": res["stream_error"], "cut": res["cut"], "refused": res.get("refused"),
+           "garbled": res.get("garbled"), "other": res["other"],
            "silent": res["silent"],
            "recover_s": None if recover_s is None else round(recover_s, 1), "status_shows": bool(status_seen),
            "max_latency_s": res.get("max_s"), "note": note}
@@ -218,9 +219,13 @@ def test_kill9_proxy(box):
     seen = watch.done()
     res = load.result()
     record("kill -9 proxy", res, recover, seen,
-           "in-flight streams cut at the HTTP level (client raises); refused connections count as other")
+           "what the killed process held is cut (the client raises, never a silent 200); new connections wait "
+           "in pd-proxy.socket's backlog (0 refused)" + ("" if seen else "; the ~2 s restart fell between two "
+                                                          "status polls"))
     check_invariants("kill -9 proxy", res, cuts_allowed=True)
-    assert seen, "pdctl status never showed the proxy down"
+    assert res.get("refused", 0) == 0 and res["other"] == 0, res     # the socket outlives the process
+    # with socket activation the proxy is gone for ~2 s and clients wait rather than fail, so a status poll
+    # may miss it; the restart itself is asserted above (NRestarts + 1, /ready again)
 
 
 def test_systemctl_stop_decoder(box):
