@@ -8,8 +8,9 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
-import urllib.request
 from typing import Callable, Iterable, Optional
+
+from .wire.fetch import fetch_sync
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -20,11 +21,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    return fetch_sync(url, timeout_s=timeout).status == 200
 
 
 def wait_http(url: str, timeout: float, procs: Iterable[subprocess.Popen] = (),
