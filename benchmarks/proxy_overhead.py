@@ -2,8 +2,9 @@
 
 Instant stand-in engines (a lean asyncio HTTP server in its own process: a prefiller and a decoder
 answering at once in vLLM's SSE shape) isolate what the proxy itself adds. Streaming Poisson load at each
-rate from a lean keep-alive HTTP/1.1 client (its own process), TTFT = request written -> first ``data:``
-chunk read. Every request through a proxy takes both legs (pdctl runs with --pd-min-prompt-tokens 0).
+rate from the wire layer's keep-alive HTTP/1.1 client (appliance/wire/client.py, in its own process),
+TTFT = request written -> first ``data:`` chunk read. Every request through a proxy takes both legs (pdctl
+runs with --pd-min-prompt-tokens 0).
 
     .venv/bin/python benchmarks/proxy_overhead.py                # 60 and 300 req/s, then 600 req/s sustained
     .venv/bin/python benchmarks/proxy_overhead.py --rates 60 --duration 5 --no-sustained
@@ -29,8 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from appliance.localproc import free_port, stop_all, wait_http  # noqa: E402  (after the path)
+from appliance.wire.client import Pool, UpstreamError  # noqa: E402
 MODEL = "tiny"
 TOKENS = 4
+_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 
 
 # ----------------------------------------------------------------------------- instant engines
@@ -110,49 +113,35 @@ async def _engines(ports: list) -> None:
 
 # ----------------------------------------------------------------------------- lean load generator
 class Client:
-    """Keep-alive HTTP/1.1 connections to one host:port; one request per connection at a time."""
+    """The wire client's keep-alive pool to one host:port; one request per connection at a time."""
 
     def __init__(self, port: int):
-        self.port, self.free = port, []
-
-    async def _conn(self):
-        if self.free:
-            return self.free.pop()
-        return await asyncio.open_connection("127.0.0.1", self.port, limit=1 << 20)
+        self.pool = Pool("127.0.0.1", port, connect_timeout_s=10.0)
 
     async def post(self, path: str, body: bytes) -> tuple:
-        """(ok, ttft_s, total_s): ok means HTTP 200 and a [DONE] at the end."""
-        r, w = await self._conn()
+        """(ok, ttft_s, total_s): ok means HTTP 200 and a [DONE] at the end. Timed from the request written
+        (``send`` returns right after writing it, any new connection already made) to the first ``data:``."""
+        conn = await self.pool.send("POST", path, body, _HEADERS)
         t0 = time.perf_counter()
-        w.write(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAccept: text/event-stream"
-                b"\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
-        head = await r.readuntil(b"\r\n\r\n")
-        status = int(head[9:12])
-        lower = head.lower()
-        ttft, done, data = None, False, b""
-        if b"transfer-encoding: chunked" in lower:
-            while True:
-                line = await r.readline()
-                size = int(line.split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    await r.readline()
-                    break
-                data = await r.readexactly(size + 2)
-                if ttft is None and b"data:" in data:
-                    ttft = time.perf_counter() - t0
-                if b"[DONE]" in data:
-                    done = True
-        else:
-            i = lower.find(b"content-length:")
-            n = int(lower[i + 15:lower.find(b"\r\n", i)]) if i >= 0 else 0
-            data = await r.readexactly(n)
-            ttft = time.perf_counter() - t0
-        total = time.perf_counter() - t0
-        if b"connection: close" in lower:
-            w.close()
-        else:
-            self.free.append((r, w))
-        return status == 200 and (done or b"data:" not in data), ttft or total, total
+        try:
+            status = await conn.head(None)
+            ttft, done, tail = None, False, b""
+            if "chunked" in conn.headers.get("transfer-encoding", ""):
+                while True:
+                    data = await conn.read()
+                    if not data:
+                        break
+                    if ttft is None and b"data:" in data:
+                        ttft = time.perf_counter() - t0
+                    tail = tail[-8:] + data
+                    done = done or b"[DONE]" in tail
+            else:
+                tail = await conn.read_all()
+                ttft = time.perf_counter() - t0
+            total = time.perf_counter() - t0
+        finally:
+            conn.release()
+        return status == 200 and (done or b"data:" not in tail), ttft or total, total
 
 
 async def load(port: int, rate: float, duration: float, seed: int = 2003) -> dict:
@@ -167,7 +156,7 @@ async def load(port: int, rate: float, duration: float, seed: int = 2003) -> dic
                            "max_tokens": TOKENS, "temperature": 0, "stream": True}).encode()
         try:
             ok, ttft, total = await cl.post("/v1/completions", body)
-        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+        except (OSError, UpstreamError, ValueError) as e:
             errors["n"] += 1
             errors["last"] = repr(e)[:120]
             return
