@@ -72,6 +72,8 @@ def _plain(body: bytes, ctype: bytes = b"application/json") -> bytes:
 
 
 class EngineProto(asyncio.Protocol):
+    """The instant engine: each request (head and Content-Length body) answered at once by ``handle``."""
+
     def connection_made(self, t):
         self.t, self.buf = t, b""
 
@@ -91,17 +93,20 @@ class EngineProto(asyncio.Protocol):
                 return
             body = self.buf[end + 4:end + 4 + clen]
             self.buf = self.buf[end + 4 + clen:]
-            method, path = head.split(" ", 2)[:2]
-            if method == "POST":
-                stream = b'"stream": true' in body or b'"stream":true' in body
-                ids = b'"return_token_ids":true' in body or b'"return_token_ids": true' in body
-                self.t.write((_STREAM_IDS if ids else _STREAM) if stream else _plain(_JSON_BODY))
-            elif path.startswith("/v1/models"):
-                self.t.write(_plain(_MODELS_BODY))
-            elif path.startswith("/metrics"):
-                self.t.write(_plain(_METRICS_BODY, b"text/plain"))
-            else:
-                self.t.write(_plain(b"{}"))
+            self.handle(head, body)
+
+    def handle(self, head: str, body: bytes) -> None:
+        method, path = head.split(" ", 2)[:2]
+        if method == "POST":
+            stream = b'"stream": true' in body or b'"stream":true' in body
+            ids = b'"return_token_ids":true' in body or b'"return_token_ids": true' in body
+            self.t.write((_STREAM_IDS if ids else _STREAM) if stream else _plain(_JSON_BODY))
+        elif path.startswith("/v1/models"):
+            self.t.write(_plain(_MODELS_BODY))
+        elif path.startswith("/metrics"):
+            self.t.write(_plain(_METRICS_BODY, b"text/plain"))
+        else:
+            self.t.write(_plain(b"{}"))
 
 
 async def _engines(ports: list) -> None:
@@ -213,6 +218,16 @@ def _stop(proc) -> None:
     stop_all([proc], grace=10)
 
 
+def realtime() -> bool:
+    """SCHED_FIFO for this process and its children (``--realtime``); False, said why, where it cannot be had."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+        return True
+    except (PermissionError, AttributeError, OSError) as e:
+        print(f"--realtime: cannot switch to SCHED_FIFO ({e}); measuring at normal priority")
+        return False
+
+
 def _router_bin() -> str | None:
     cand = Path(sys.executable).with_name("vllm-router")
     return str(cand) if cand.exists() else shutil.which("vllm-router")
@@ -290,12 +305,7 @@ def main() -> int:
                     help="run everything (engines, proxies, load) under SCHED_FIFO (root): on a shared box, "
                          "other tenants' work then cannot land on the measurement; every target alike")
     a = ap.parse_args()
-    if a.realtime:
-        try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
-        except (PermissionError, AttributeError, OSError) as e:
-            print(f"--realtime: cannot switch to SCHED_FIFO ({e}); measuring at normal priority")
-            a.realtime = False
+    a.realtime = a.realtime and realtime()
     p_port, d_port = _free_port(), _free_port()
     eng = subprocess.Popen([sys.executable, __file__, "--engines", str(p_port), str(d_port)])
     procs, ports = [], {}

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
 from typing import Optional, Sequence
 
 from appliance.models import ModelProfile, resolve as resolve_model
@@ -41,7 +40,7 @@ from .hardware import Hardware, resolve as resolve_hw
 from .simstack import PolicyConfig, SimRequest, SimStack
 from .workloads import Mix, SimError, Workload  # noqa: F401  (re-exported: the simulator's inputs)
 from ..decide import Thresholds
-from ..percentiles import percentile  # (re-exported: tests read it from here)
+from ..percentiles import latency_fields, percentile  # noqa: F401  (percentile re-exported: tests read it here)
 
 GB = 1e9
 POLICIES = ("round-robin", "pdctl", "adaptive")
@@ -84,11 +83,7 @@ def _summary(stack: SimStack, rate: float, num_prompts: int, duration: float, hi
         "engine_busy": {e.name: round(b, 3) for e, b in zip(stack.engines, busy)},
     }
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2el", e2e)):
-        res[f"mean_{name}_ms"] = statistics.fmean(xs) if xs else 0.0
-        res[f"median_{name}_ms"] = percentile(xs, 50)
-        res[f"std_{name}_ms"] = statistics.pstdev(xs) if len(xs) > 1 else 0.0
-        for q in (50, 90, 95, 99):
-            res[f"p{q}_{name}_ms"] = percentile(xs, q)
+        res.update(latency_fields(name, xs))
     return res
 
 
