@@ -27,6 +27,7 @@ from .routes import Routes, empty, is_loopback, json_response
 from ..wire.server import Request, Response, Server
 
 DRAIN_S = 60.0          # SIGTERM: answers in flight may finish for this long (what the aiohttp surface allowed)
+MAX_BODY = 1 << 20      # a larger request body gets 413, as from the aiohttp surface (its client_max_size)
 
 
 def _error(status: int, message: str, etype: str = "BadRequestError") -> Response:
@@ -196,7 +197,7 @@ class EngineSurface:
 async def serve(eng: TwinEngine, stop: Optional[asyncio.Event] = None) -> None:
     """Serve ``eng`` until ``stop`` is set (or SIGTERM/SIGINT), then drain for up to DRAIN_S and stop."""
     surface = EngineSurface(eng)
-    srv = Server(surface.dispatch, _error_body, name="the twin engine")
+    srv = Server(surface.dispatch, _error_body, max_body=MAX_BODY, name="the twin engine")
     await eng.start()
     if stop is None:
         stop = asyncio.Event()
