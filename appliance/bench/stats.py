@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 from ..percentiles import latency_fields, percentile  # noqa: F401  (percentile re-exported: one definition)
 from .loadgen import RunResult

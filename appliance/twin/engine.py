@@ -29,7 +29,7 @@ from . import gpus, kvpath, tokens
 from .core import EngineCore, HostLink, Seq
 from .costmodel import CostModel, CostParams, EngineConfig
 from .engine_metrics import EngineMetrics
-from .faults import Fault, FaultError
+from .faults import Fault
 from .hardware import resolve as resolve_hw
 from .kvclient import KVClient
 from ..wire.client import Pool
