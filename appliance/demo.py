@@ -6,12 +6,15 @@ Ctrl-C, SIGTERM, or a crash of the TUI.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import signal
 import sys
 import tempfile
 import threading
 from pathlib import Path
+
+from .wire.fetch import fetch_sync
 
 SYSTEM_PROMPTS = [
     "You are the support assistant of a GPU cloud. Answer briefly, cite the runbook section, never guess "
@@ -34,19 +37,12 @@ class Traffic(threading.Thread):
         self._lock = threading.Lock()
 
     def one(self, i: int) -> None:
-        import httpx
         sysp = SYSTEM_PROMPTS[0] if self.rng.random() < 0.8 else SYSTEM_PROMPTS[1]
         body = {"model": self.model, "stream": True, "max_tokens": self.max_tokens,
                 "messages": [{"role": "system", "content": sysp},
                              {"role": "user", "content": f"{self.rng.choice(QUESTIONS)} (#{i})"}]}
-        good = False
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line.strip() == "data: [DONE]":
-                        good = r.status_code == 200
-        except httpx.HTTPError:
-            good = False
+        r = fetch_sync(f"{self.url}/v1/chat/completions", "POST", json.dumps(body).encode(), timeout_s=60)
+        good = not r.error and r.status == 200 and any(line.strip() == b"data: [DONE]" for line in r.body.splitlines())
         with self._lock:
             if good:
                 self.ok += 1

@@ -5,11 +5,14 @@ children and must notice a child that died instead of waiting out the whole time
 """
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import time
-import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Optional
+
+from .wire.fetch import fetch_sync
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -20,11 +23,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """One GET answered 200. Blocking, like the rest of this module; called from a coroutine (an async test
+    starting its children), the request runs on a thread of its own, since fetch_sync needs a thread without a
+    running event loop."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except OSError:
-        return False
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return fetch_sync(url, timeout_s=timeout).status == 200
+    with ThreadPoolExecutor(1) as ex:
+        return ex.submit(fetch_sync, url, timeout_s=timeout).result().status == 200
 
 
 def wait_http(url: str, timeout: float, procs: Iterable[subprocess.Popen] = (),

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Sequence
+
+QUANTILES = (50, 90, 95, 99)      # what ``vllm bench serve`` reports
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -14,3 +17,12 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def latency_fields(name: str, ms: Sequence[float]) -> dict:
+    """``vllm bench serve``'s fields of one latency (values in ms): mean, median, std and the QUANTILES."""
+    out = {f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0, f"median_{name}_ms": percentile(ms, 50),
+           f"std_{name}_ms": statistics.pstdev(ms) if len(ms) > 1 else 0.0}
+    for q in QUANTILES:
+        out[f"p{q}_{name}_ms"] = percentile(ms, q)
+    return out

@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from appliance.bench.workload import TWIN_APPROX, Profile, PromptFactory  # noqa: E402  (after the path)
 from appliance.localproc import free_port  # noqa: E402
+from appliance.wire.fetch import fetch_sync  # noqa: E402
 from appliance.planner import Workload  # noqa: E402
 from appliance.stack import Stack, twin_plan  # noqa: E402
 from benchmarks.proxy_overhead import _router_bin  # noqa: E402
@@ -132,20 +132,22 @@ def stop_proc(st: Stack, name: str) -> None:
 
 
 # ----------------------------------------------------------------------------- load
+def _ok(r) -> None:
+    """A warm-up step must succeed (it raised on an HTTP error or no answer before, as urlopen does)."""
+    if not r.ok:
+        raise RuntimeError(f"{r.url}: {r.error or f'HTTP {r.status}: {r.text[:200]}'}")
+
+
 def warm(url: str, st: Stack, a, seed: int) -> None:
     """Empty the stack's KV server (``POST /cache/clear``), then store the run's shared prefix in it: one
     prompt of the bench's own prefix (same seed, same words) with max_tokens 1, instead of ``pdctl bench
     --warmup``'s full-length answers. So every run starts from the same KV state, whatever ran before."""
-    clear = urllib.request.Request(f"{st.plan.kv_server.http_url}/cache/clear", b"", method="POST")
-    with urllib.request.urlopen(clear, timeout=10) as r:
-        r.read()
+    _ok(fetch_sync(f"{st.plan.kv_server.http_url}/cache/clear", "POST", timeout_s=10))
     model = st.plan.served_model_name
     prof = Profile("peer", a.input_len, a.prefix_len, a.output_len)
     body = json.dumps({"model": model, "prompt": PromptFactory(prof, TWIN_APPROX, seed).prompt("warmup", 0).text,
                        "max_tokens": 1, "stream": False}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60 * a.time_scale) as r:
-        r.read()
+    _ok(fetch_sync(f"{url}/v1/completions", "POST", body, timeout_s=60 * a.time_scale))
     time.sleep(a.time_scale)                 # > the store and its notification, in model time
 
 

@@ -2,8 +2,9 @@
 
 Instant stand-in engines (a lean asyncio HTTP server in its own process: a prefiller and a decoder
 answering at once in vLLM's SSE shape) isolate what the proxy itself adds. Streaming Poisson load at each
-rate from a lean keep-alive HTTP/1.1 client (its own process), TTFT = request written -> first ``data:``
-chunk read. Every request through a proxy takes both legs (pdctl runs with --pd-min-prompt-tokens 0).
+rate from the wire layer's keep-alive HTTP/1.1 client (appliance/wire/client.py, in its own process),
+TTFT = request written -> first ``data:`` chunk read. Every request through a proxy takes both legs (pdctl
+runs with --pd-min-prompt-tokens 0).
 
     .venv/bin/python benchmarks/proxy_overhead.py                # 60 and 300 req/s, then 600 req/s sustained
     .venv/bin/python benchmarks/proxy_overhead.py --rates 60 --duration 5 --no-sustained
@@ -29,8 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from appliance.localproc import free_port, stop_all, wait_http  # noqa: E402  (after the path)
+from appliance.wire.client import Pool, UpstreamError  # noqa: E402
 MODEL = "tiny"
 TOKENS = 4
+_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 
 
 # ----------------------------------------------------------------------------- instant engines
@@ -69,6 +72,8 @@ def _plain(body: bytes, ctype: bytes = b"application/json") -> bytes:
 
 
 class EngineProto(asyncio.Protocol):
+    """The instant engine: each request (head and Content-Length body) answered at once by ``handle``."""
+
     def connection_made(self, t):
         self.t, self.buf = t, b""
 
@@ -88,17 +93,20 @@ class EngineProto(asyncio.Protocol):
                 return
             body = self.buf[end + 4:end + 4 + clen]
             self.buf = self.buf[end + 4 + clen:]
-            method, path = head.split(" ", 2)[:2]
-            if method == "POST":
-                stream = b'"stream": true' in body or b'"stream":true' in body
-                ids = b'"return_token_ids":true' in body or b'"return_token_ids": true' in body
-                self.t.write((_STREAM_IDS if ids else _STREAM) if stream else _plain(_JSON_BODY))
-            elif path.startswith("/v1/models"):
-                self.t.write(_plain(_MODELS_BODY))
-            elif path.startswith("/metrics"):
-                self.t.write(_plain(_METRICS_BODY, b"text/plain"))
-            else:
-                self.t.write(_plain(b"{}"))
+            self.handle(head, body)
+
+    def handle(self, head: str, body: bytes) -> None:
+        method, path = head.split(" ", 2)[:2]
+        if method == "POST":
+            stream = b'"stream": true' in body or b'"stream":true' in body
+            ids = b'"return_token_ids":true' in body or b'"return_token_ids": true' in body
+            self.t.write((_STREAM_IDS if ids else _STREAM) if stream else _plain(_JSON_BODY))
+        elif path.startswith("/v1/models"):
+            self.t.write(_plain(_MODELS_BODY))
+        elif path.startswith("/metrics"):
+            self.t.write(_plain(_METRICS_BODY, b"text/plain"))
+        else:
+            self.t.write(_plain(b"{}"))
 
 
 async def _engines(ports: list) -> None:
@@ -110,49 +118,35 @@ async def _engines(ports: list) -> None:
 
 # ----------------------------------------------------------------------------- lean load generator
 class Client:
-    """Keep-alive HTTP/1.1 connections to one host:port; one request per connection at a time."""
+    """The wire client's keep-alive pool to one host:port; one request per connection at a time."""
 
     def __init__(self, port: int):
-        self.port, self.free = port, []
-
-    async def _conn(self):
-        if self.free:
-            return self.free.pop()
-        return await asyncio.open_connection("127.0.0.1", self.port, limit=1 << 20)
+        self.pool = Pool("127.0.0.1", port, connect_timeout_s=10.0)
 
     async def post(self, path: str, body: bytes) -> tuple:
-        """(ok, ttft_s, total_s): ok means HTTP 200 and a [DONE] at the end."""
-        r, w = await self._conn()
+        """(ok, ttft_s, total_s): ok means HTTP 200 and a [DONE] at the end. Timed from the request written
+        (``send`` returns right after writing it, any new connection already made) to the first ``data:``."""
+        conn = await self.pool.send("POST", path, body, _HEADERS)
         t0 = time.perf_counter()
-        w.write(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAccept: text/event-stream"
-                b"\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
-        head = await r.readuntil(b"\r\n\r\n")
-        status = int(head[9:12])
-        lower = head.lower()
-        ttft, done, data = None, False, b""
-        if b"transfer-encoding: chunked" in lower:
-            while True:
-                line = await r.readline()
-                size = int(line.split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    await r.readline()
-                    break
-                data = await r.readexactly(size + 2)
-                if ttft is None and b"data:" in data:
-                    ttft = time.perf_counter() - t0
-                if b"[DONE]" in data:
-                    done = True
-        else:
-            i = lower.find(b"content-length:")
-            n = int(lower[i + 15:lower.find(b"\r\n", i)]) if i >= 0 else 0
-            data = await r.readexactly(n)
-            ttft = time.perf_counter() - t0
-        total = time.perf_counter() - t0
-        if b"connection: close" in lower:
-            w.close()
-        else:
-            self.free.append((r, w))
-        return status == 200 and (done or b"data:" not in data), ttft or total, total
+        try:
+            status = await conn.head(None)
+            ttft, done, tail = None, False, b""
+            if "chunked" in conn.headers.get("transfer-encoding", ""):
+                while True:
+                    data = await conn.read()
+                    if not data:
+                        break
+                    if ttft is None and b"data:" in data:
+                        ttft = time.perf_counter() - t0
+                    tail = tail[-8:] + data
+                    done = done or b"[DONE]" in tail
+            else:
+                tail = await conn.read_all()
+                ttft = time.perf_counter() - t0
+            total = time.perf_counter() - t0
+        finally:
+            conn.release()
+        return status == 200 and (done or b"data:" not in tail), ttft or total, total
 
 
 async def load(port: int, rate: float, duration: float, seed: int = 2003) -> dict:
@@ -167,7 +161,7 @@ async def load(port: int, rate: float, duration: float, seed: int = 2003) -> dic
                            "max_tokens": TOKENS, "temperature": 0, "stream": True}).encode()
         try:
             ok, ttft, total = await cl.post("/v1/completions", body)
-        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+        except (OSError, UpstreamError, ValueError) as e:
             errors["n"] += 1
             errors["last"] = repr(e)[:120]
             return
@@ -222,6 +216,16 @@ def _wait_http(url: str, timeout: float = 30.0, proc=None) -> None:
 
 def _stop(proc) -> None:
     stop_all([proc], grace=10)
+
+
+def realtime() -> bool:
+    """SCHED_FIFO for this process and its children (``--realtime``); False, said why, where it cannot be had."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+        return True
+    except (PermissionError, AttributeError, OSError) as e:
+        print(f"--realtime: cannot switch to SCHED_FIFO ({e}); measuring at normal priority")
+        return False
 
 
 def _router_bin() -> str | None:
@@ -301,12 +305,7 @@ def main() -> int:
                     help="run everything (engines, proxies, load) under SCHED_FIFO (root): on a shared box, "
                          "other tenants' work then cannot land on the measurement; every target alike")
     a = ap.parse_args()
-    if a.realtime:
-        try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
-        except (PermissionError, AttributeError, OSError) as e:
-            print(f"--realtime: cannot switch to SCHED_FIFO ({e}); measuring at normal priority")
-            a.realtime = False
+    a.realtime = a.realtime and realtime()
     p_port, d_port = _free_port(), _free_port()
     eng = subprocess.Popen([sys.executable, __file__, "--engines", str(p_port), str(d_port)])
     procs, ports = [], {}

@@ -11,7 +11,6 @@ growth < 5 % for each and no request failed. Prints the curve and a JSON summary
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import sys
 import threading
@@ -22,6 +21,8 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from appliance.wire.fetch import fetch_sync  # noqa: E402  (after the path)
 
 PROMPT = "The pdctl appliance splits prefill and decode across GPUs and shares the KV cache. " * 60
 SPARK = " .:-=+*#%@"
@@ -63,19 +64,11 @@ class Client:
         self.t = threading.Thread(target=self.run, daemon=True)
 
     def one(self, i: int) -> None:
-        ok, why = False, ""
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-            body = json.dumps({"model": self.model, "prompt": PROMPT + f" #{i}", "max_tokens": 16,
-                               "stream": True})
-            c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-            r = c.getresponse()
-            data = r.read()
-            c.close()
-            ok = r.status == 200 and data.rstrip().endswith(b"data: [DONE]") and b'"error"' not in data
-            why = "" if ok else f"HTTP {r.status}: {data[-200:]!r}"
-        except (OSError, http.client.HTTPException) as e:
-            why = f"{type(e).__name__}: {e}"
+        body = json.dumps({"model": self.model, "prompt": PROMPT + f" #{i}", "max_tokens": 16, "stream": True})
+        r = fetch_sync(f"http://127.0.0.1:{self.port}/v1/completions", "POST", body.encode(), timeout_s=30)
+        data = r.body
+        ok = not r.error and r.status == 200 and data.rstrip().endswith(b"data: [DONE]") and b'"error"' not in data
+        why = r.error if r.error else ("" if ok else f"HTTP {r.status}: {data[-200:]!r}")
         with self.lock:
             if ok:
                 self.ok += 1

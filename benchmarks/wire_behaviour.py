@@ -32,40 +32,28 @@ import wire_clients as WCL  # noqa: E402
 
 
 # ============================================================================ scripted engine (server probes)
-class ProbeEngine(asyncio.Protocol):
+class ProbeEngine(PO.EngineProto):
     """proxy_overhead's instant engine, plus HANG-<tag> (never answers; when its connection closes is recorded)
     and SLOW-<tag> streams (5 events, 0.3 s apart)."""
     legs: dict = {}        # tag -> {"opened": t, "closed": t | None}
 
     def connection_made(self, t):
-        self.t, self.buf, self.tag = t, b"", None
+        super().connection_made(t)
+        self.tag = None
 
     def connection_lost(self, exc):
         if self.tag is not None:
             self.legs[self.tag]["closed"] = time.monotonic()
 
-    def data_received(self, data):
-        self.buf += data
-        while True:
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buf[:end]
-            low = head.lower()
-            clen = int(low.split(b"content-length:")[1].split(b"\r\n")[0]) if b"content-length:" in low else 0
-            if len(self.buf) < end + 4 + clen:
-                return
-            body, self.buf = self.buf[end + 4:end + 4 + clen], self.buf[end + 4 + clen:]
-            if b"HANG-" in body:
-                self.tag = body.split(b"HANG-")[1][:20].split(b'"')[0].decode()
-                self.legs[self.tag] = {"opened": time.monotonic(), "closed": None}
-                continue
-            if b"SLOW-" in body and b'"stream": true' in body:
-                asyncio.get_running_loop().create_task(self._slow())
-                continue
-            instant = PO.EngineProto()
-            instant.connection_made(self.t)
-            instant.data_received(head.split(b"\r\n")[0] + b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    def handle(self, head: str, body: bytes) -> None:
+        if b"HANG-" in body:
+            self.tag = body.split(b"HANG-")[1][:20].split(b'"')[0].decode()
+            self.legs[self.tag] = {"opened": time.monotonic(), "closed": None}
+            return
+        if b"SLOW-" in body and b'"stream": true' in body:
+            asyncio.get_running_loop().create_task(self._slow())
+            return
+        super().handle(head, body)
 
     async def _slow(self):
         self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")

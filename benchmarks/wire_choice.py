@@ -167,12 +167,7 @@ def main() -> int:
                                                             "proxy_overhead.py")
     a = ap.parse_args()
     names = a.targets or COMPARISONS[a.compare]
-    if a.realtime:
-        try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
-        except (PermissionError, AttributeError, OSError) as e:
-            print(f"--realtime: cannot switch to SCHED_FIFO ({e}); measuring at normal priority")
-            a.realtime = False
+    a.realtime = a.realtime and PO.realtime()
     print(versions())
     p_port, d_port = PO._free_port(), PO._free_port()
     eng = subprocess.Popen([sys.executable, PO.__file__, "--engines", str(p_port), str(d_port)])

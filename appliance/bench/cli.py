@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import aiohttp
+from appliance.wire.fetch import fetch
 
 from . import BenchError
 
@@ -40,16 +40,17 @@ def parse_rates(text: str) -> list[float]:
 
 async def _models(url: str, timeout_s: float = 5.0) -> tuple[str, str]:
     """(served model id, model root) from ``/v1/models``; BenchError when the target cannot be reached."""
+    r = await fetch(url.rstrip("/") + "/v1/models", timeout_s=timeout_s)
+    if r.error:
+        raise BenchError(f"cannot reach {url} ({r.error}); start the stack (systemctl start pd.target) or pass "
+                         "--url", code=1)
+    if r.status != 200:
+        raise BenchError(f"{url}/v1/models answered HTTP {r.status}; is the stack ready? (pdctl status), or pass "
+                         "--model", code=1)
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
-            async with s.get(url.rstrip("/") + "/v1/models") as r:
-                if r.status != 200:
-                    raise BenchError(f"{url}/v1/models answered HTTP {r.status}; is the stack ready? "
-                                     "(pdctl status), or pass --model", code=1)
-                d = await r.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-        raise BenchError(f"cannot reach {url} ({type(exc).__name__}: {exc}); start the stack "
-                         "(systemctl start pd.target) or pass --url", code=1) from None
+        d = r.json()
+    except ValueError:
+        raise BenchError(f"{url}/v1/models answered no JSON; pass --model NAME", code=1) from None
     try:
         m = d["data"][0]
         return str(m["id"]), str(m.get("root") or "")
@@ -105,19 +106,18 @@ async def _sweep(args: argparse.Namespace, prof, rates: list[float]) -> tuple[li
         if args.warmup_pause > 0:
             await asyncio.sleep(args.warmup_pause)
     summaries = []
-    async with aiohttp.ClientSession() as metrics_session:
-        for i, rate in enumerate(rates):
-            if i and args.cooldown > 0:
-                await asyncio.sleep(args.cooldown)
-            prompts = factory.prompts(f"rate{i}", args.num_prompts)
-            prog = Progress(f"rate {rate:g} req/s", args.num_prompts, enabled=not quiet)
-            await probe.start(metrics_session)
-            run = await run_rate(args.url, model, prompts, rate, prof.output_len, seed=args.seed + i,
-                                 request_timeout_s=args.request_timeout, deadline_s=args.max_duration,
-                                 progress=prog)
-            kv = await probe.stop(metrics_session)
-            summaries.append(summarize(run, model=model, tokenizer_id=tok.name, num_prompts=args.num_prompts,
-                                       profile=profile_meta, kv=kv))
+    for i, rate in enumerate(rates):
+        if i and args.cooldown > 0:
+            await asyncio.sleep(args.cooldown)
+        prompts = factory.prompts(f"rate{i}", args.num_prompts)
+        prog = Progress(f"rate {rate:g} req/s", args.num_prompts, enabled=not quiet)
+        await probe.start()
+        run = await run_rate(args.url, model, prompts, rate, prof.output_len, seed=args.seed + i,
+                             request_timeout_s=args.request_timeout, deadline_s=args.max_duration,
+                             progress=prog)
+        kv = await probe.stop()
+        summaries.append(summarize(run, model=model, tokenizer_id=tok.name, num_prompts=args.num_prompts,
+                                   profile=profile_meta, kv=kv))
     meta = {"url": args.url, "model": model, "profile": profile_meta, "seed": args.seed,
             "warmup": args.warmup, "warmup_rate": args.warmup_rate, "rates": rates,
             "kv_endpoints": list(probe.ep.urls), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -17,10 +17,10 @@ import asyncio
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import constants as C
+from appliance.wire.fetch import fetch
 
 COUNTERS = {
     "lmc_req": C.LMC_LOOKUP_REQUESTED,
@@ -78,16 +78,15 @@ def parse_counters(text: str) -> dict:
     return out
 
 
-async def scrape(session: aiohttp.ClientSession, urls: Sequence[str], timeout_s: float = 3.0) -> tuple[dict, list]:
+async def scrape(urls: Sequence[str], timeout_s: float = 3.0) -> tuple[dict, list]:
     """Summed counters over ``urls``, and the errors (one string per unreadable endpoint)."""
     async def one(u: str):
-        try:
-            async with session.get(u, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                if r.status != 200:
-                    return None, f"{u}: HTTP {r.status}"
-                return parse_counters(await r.text()), None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            return None, f"{u}: {type(exc).__name__} {exc}".strip()
+        r = await fetch(u, timeout_s=timeout_s)
+        if r.error:
+            return None, f"{u}: {r.error}"
+        if r.status != 200:
+            return None, f"{u}: HTTP {r.status}"
+        return parse_counters(r.text), None
 
     total: dict = {}
     errors = []
@@ -136,12 +135,12 @@ class KVRateProbe:
         self.before: dict = {}
         self.errors: list = []
 
-    async def start(self, session: aiohttp.ClientSession) -> None:
+    async def start(self) -> None:
         if self.ep.urls:
-            self.before, self.errors = await scrape(session, self.ep.urls)
+            self.before, self.errors = await scrape(self.ep.urls)
 
-    async def stop(self, session: aiohttp.ClientSession) -> dict:
+    async def stop(self) -> dict:
         if not self.ep.urls:
             return {"kv_hit_rate": None, "lmcache": None, "decoders": None, "source": self.ep.origin}
-        after, errors = await scrape(session, self.ep.urls)
+        after, errors = await scrape(self.ep.urls)
         return hit_rates(self.before, after, sorted(set(self.errors) | set(errors)), self.ep.origin)

@@ -9,6 +9,9 @@ A request fails on: a non-2xx answer, an SSE error event (``data: {"error": ...}
 a stream that ends without ``data: [DONE]``, a connection error, or its time-out. The run itself is
 bounded: ``num_prompts`` arrivals, each request's time-out, and an overall deadline after which the
 requests still running are cancelled and counted failed.
+
+The client is the wire layer's keep-alive pool (no connection limit, like ``vllm bench serve``'s session): a
+request is written on an idle connection or a new one, and its stream is read as the bytes arrive.
 """
 from __future__ import annotations
 
@@ -21,9 +24,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-import aiohttp
+from appliance.wire.client import Pool, UpstreamError
+from appliance.wire.fetch import split
 
+from . import BenchError
 from .workload import Prompt
+
+CONNECT_TIMEOUT_S = 10.0
+_HEADERS = {"Content-Type": "application/json"}
 
 
 @dataclass
@@ -125,60 +133,75 @@ class Progress:
             self.stream.flush()
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict, res: RequestResult, t0: float,
-               timeout_s: float) -> None:
+def _pool(url: str) -> tuple[Pool, str]:
+    """A keep-alive pool to ``url``'s server and the path to post to."""
+    try:
+        host, port, path = split(url)
+    except ValueError as exc:
+        raise BenchError(f"--url: {exc}") from None
+    return Pool(host, port, connect_timeout_s=CONNECT_TIMEOUT_S), path
+
+
+async def _one(pool: Pool, path: str, body: dict, res: RequestResult, t0: float, timeout_s: float) -> None:
     start = time.perf_counter()
     res.sent = start - t0
     last: Optional[float] = None
     chunks = 0
     done = False
+    conn = None
     try:
         async with asyncio.timeout(timeout_s) if hasattr(asyncio, "timeout") else _Deadline(timeout_s):
-            async with session.post(url, json=body) as resp:
-                if resp.status // 100 != 2:
-                    text = (await resp.text())[:200].replace("\n", " ")
-                    res.error = f"HTTP {resp.status}: {text}"
-                    return
-                buf = bytearray()
-                async for piece in resp.content.iter_any():
-                    buf += piece
-                    for kind, data in _sse_events(buf):
-                        if data == b"[DONE]":
-                            done = True
-                            continue
-                        if not data:
-                            continue
-                        now = time.perf_counter()
-                        try:
-                            obj = json.loads(data)
-                        except ValueError:
-                            res.error = f"bad SSE data: {data[:80]!r}"
-                            return
-                        if kind == "error" or (isinstance(obj, dict) and "error" in obj):
-                            err = obj.get("error", obj) if isinstance(obj, dict) else obj
-                            msg = err.get("message", err) if isinstance(err, dict) else err
-                            res.error = f"SSE error event: {str(msg)[:160]}"
-                            return
-                        usage = obj.get("usage") if isinstance(obj, dict) else None
-                        if usage:
-                            res.output_tokens = int(usage.get("completion_tokens") or 0)
-                            res.prompt_tokens = int(usage.get("prompt_tokens") or res.prompt_tokens)
-                        text = ""
-                        for ch in obj.get("choices") or ():
-                            text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
-                        if text:
-                            chunks += 1
-                            if last is None:
-                                res.ttft = now - start
-                            else:
-                                res.itl.append(now - last)
-                            last = now
+            conn = await pool.request("POST", path, json.dumps(body).encode(), _HEADERS, None)
+            if conn.status // 100 != 2:
+                text = (await conn.read_all()).decode("utf-8", "replace")[:200].replace("\n", " ")
+                res.error = f"HTTP {conn.status}: {text}"
+                return
+            buf = bytearray()
+            while True:
+                piece = await conn.read()
+                if not piece:
+                    break
+                buf += piece
+                for kind, data in _sse_events(buf):
+                    if data == b"[DONE]":
+                        done = True
+                        continue
+                    if not data:
+                        continue
+                    now = time.perf_counter()
+                    try:
+                        obj = json.loads(data)
+                    except ValueError:
+                        res.error = f"bad SSE data: {data[:80]!r}"
+                        return
+                    if kind == "error" or (isinstance(obj, dict) and "error" in obj):
+                        err = obj.get("error", obj) if isinstance(obj, dict) else obj
+                        msg = err.get("message", err) if isinstance(err, dict) else err
+                        res.error = f"SSE error event: {str(msg)[:160]}"
+                        return
+                    usage = obj.get("usage") if isinstance(obj, dict) else None
+                    if usage:
+                        res.output_tokens = int(usage.get("completion_tokens") or 0)
+                        res.prompt_tokens = int(usage.get("prompt_tokens") or res.prompt_tokens)
+                    text = ""
+                    for ch in obj.get("choices") or ():
+                        text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                    if text:
+                        chunks += 1
+                        if last is None:
+                            res.ttft = now - start
+                        else:
+                            res.itl.append(now - last)
+                        last = now
     except (asyncio.TimeoutError, TimeoutError):
         res.error = f"timed out after {timeout_s:g}s"
         return
-    except aiohttp.ClientError as exc:
+    except UpstreamError as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:200]
         return
+    finally:
+        if conn is not None:
+            conn.release()          # back to the pool when the answer was read to its end, else closed
     end = time.perf_counter()
     if not done:
         res.error = "stream ended without [DONE]"
@@ -215,13 +238,15 @@ class _Deadline:
 
 async def prompt_token_counts(base_url: str, model: str, texts: Sequence[str], timeout_s: float = 60.0) -> list:
     """The server's own ``usage.prompt_tokens`` for each text (None where it reported none or failed)."""
-    url = base_url.rstrip("/") + "/v1/completions"
+    pool, path = _pool(base_url.rstrip("/") + "/v1/completions")
     out = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
+    try:
         for i, text in enumerate(texts):
             res = RequestResult(i)
-            await _one(session, url, request_body(model, text, 1), res, time.perf_counter(), timeout_s)
+            await _one(pool, path, request_body(model, text, 1), res, time.perf_counter(), timeout_s)
             out.append(res.prompt_tokens if res.ok and res.prompt_tokens else None)
+    finally:
+        pool.close()
     return out
 
 
@@ -235,16 +260,14 @@ async def run_rate(base_url: str, model: str, prompts: Sequence[Prompt], rate: f
                    progress: Optional[Progress] = None,
                    on_start: Optional[Callable[[], None]] = None) -> RunResult:
     """Send ``prompts`` as a Poisson stream at ``rate`` req/s to ``base_url``/v1/completions; wait for all."""
-    url = base_url.rstrip("/") + "/v1/completions"
+    pool, path = _pool(base_url.rstrip("/") + "/v1/completions")
     offsets = arrival_offsets(len(prompts), rate, seed)
     if deadline_s is None:
         deadline_s = (offsets[-1] if offsets else 0.0) + request_timeout_s + 5.0
     results = [RequestResult(i, scheduled=offsets[i], prompt_tokens=p.tokens) for i, p in enumerate(prompts)]
     inflight = 0
     peak = 0
-    conn = aiohttp.TCPConnector(limit=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+    try:
         t0 = time.perf_counter()
         if on_start:
             on_start()
@@ -257,7 +280,7 @@ async def run_rate(base_url: str, model: str, prompts: Sequence[Prompt], rate: f
             inflight += 1
             peak = max(peak, inflight)
             try:
-                await _one(session, url, request_body(model, prompts[i].text, output_len), results[i], t0,
+                await _one(pool, path, request_body(model, prompts[i].text, output_len), results[i], t0,
                            request_timeout_s)
             finally:
                 inflight -= 1
@@ -275,6 +298,8 @@ async def run_rate(base_url: str, model: str, prompts: Sequence[Prompt], rate: f
                     r.error = f"cancelled at the run deadline ({deadline_s:g}s)"
         ends = [r.end for r in results if r.ok]
         duration = (max(ends) if ends else time.perf_counter() - t0)
+    finally:
+        pool.close()
     if progress:
         progress.close()
     return RunResult(rate=rate, results=results, duration=duration, max_concurrency=peak)

@@ -9,17 +9,13 @@ default, which ``vllm bench serve`` uses). Times in the summary are milliseconds
 from __future__ import annotations
 
 import math
-import statistics
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
+from ..percentiles import latency_fields, percentile  # noqa: F401  (percentile re-exported: one definition)
 from .loadgen import RunResult
 
-PERCENTILES = (50, 90, 95, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el")
-
-
-from ..percentiles import percentile  # noqa: E402  (re-exported: one definition)
 
 
 def _peak_tokens_per_s(ok: list) -> float:
@@ -67,11 +63,7 @@ def summarize(run: RunResult, *, model: str, tokenizer_id: str, num_prompts: int
         "max_concurrent_requests": run.max_concurrency,
     }
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
-        s[f"mean_{name}_ms"] = statistics.fmean(xs) if xs else 0.0
-        s[f"median_{name}_ms"] = percentile(xs, 50)
-        s[f"std_{name}_ms"] = statistics.pstdev(xs) if len(xs) > 1 else 0.0
-        for q in PERCENTILES:
-            s[f"p{q}_{name}_ms"] = percentile(xs, q)
+        s.update(latency_fields(name, xs))
     kv = kv or {}
     s["kv_hit_rate"] = kv.get("kv_hit_rate")
     s["kv_hit_rate_lmcache"] = kv.get("lmcache")

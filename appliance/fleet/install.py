@@ -13,11 +13,11 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from .. import constants as C
 from ..units import write_tree
+from ..wire.fetch import fetch_sync
 from .plan import FleetError, FleetPlan
 from .units import render
 
@@ -80,12 +80,8 @@ def wait_router(fleet: FleetPlan, timeout: float) -> bool:
     url = fleet.router.url + "/list_workers"
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
+        if fetch_sync(url, timeout_s=2).status == 200:
+            return True
         time.sleep(0.5)
     return False
 

@@ -11,9 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import httpx
-
 from .. import constants as C
+from ..wire.fetch import Reply, fetch_sync
 from .plan import FleetPlan, Node
 
 CB_STATES = {0: "closed", 1: "open", 2: "half-open"}
@@ -49,46 +48,43 @@ class FleetView:
         return json.loads(json.dumps(asdict(self)))
 
 
-def _err(exc: Exception) -> str:
-    if isinstance(exc, httpx.ConnectError):
-        return "connection refused or unreachable"
-    if isinstance(exc, httpx.TimeoutException):
+def _err(r: Reply) -> str:
+    """Why a request got no answer, in the words of the status table."""
+    if r.timed_out:
         return "timed out"
-    return f"{type(exc).__name__}: {exc}"
+    if r.error.startswith("connect to "):
+        return "connection refused or unreachable"
+    return r.error
 
 
 def box_view(node: Node, api_key: str | None, timeout: float = 2.0) -> BoxView:
-    with httpx.Client(timeout=timeout) as c:
+    r = fetch_sync(node.url + "/health", timeout_s=timeout)
+    if r.error:
+        return BoxView(node.label, node.url, f"down: {_err(r)}", "NA: box down", "box down")
+    health = "ok" if r.status == 200 else f"HTTP {r.status}"
+    r = fetch_sync(node.url + "/ready", timeout_s=timeout)
+    if r.error:
+        ready = f"NA: {_err(r)}"
+    elif r.status == 200:
+        ready = "ready"
+    else:
         try:
-            r = c.get(node.url + "/health")
-            health = "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
-        except httpx.HTTPError as exc:
-            return BoxView(node.label, node.url, f"down: {_err(exc)}", "NA: box down", "box down")
-        try:
-            r = c.get(node.url + "/ready")
-            if r.status_code == 200:
-                ready = "ready"
-            else:
-                try:
-                    why = r.json()["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    why = f"HTTP {r.status_code}"
-                ready = f"not ready: {why}"
-        except httpx.HTTPError as exc:
-            ready = f"NA: {_err(exc)}"
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        try:
-            r = c.get(node.status_url, headers=headers)
-        except httpx.HTTPError as exc:
-            return BoxView(node.label, node.url, health, ready, f"status endpoint: {_err(exc)}")
-    if r.status_code == 404:
+            why = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = f"HTTP {r.status}"
+        ready = f"not ready: {why}"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = fetch_sync(node.status_url, headers=headers, timeout_s=timeout)
+    if r.error:
+        return BoxView(node.label, node.url, health, ready, f"status endpoint: {_err(r)}")
+    if r.status == 404:
         return BoxView(node.label, node.url, health, ready,
                        f"{C.BOX_STATUS_PATH} is off on this box (enable the proxy's public status endpoint)")
-    if r.status_code in (401, 403):
+    if r.status in (401, 403):
         return BoxView(node.label, node.url, health, ready,
-                       f"{C.BOX_STATUS_PATH} refused the API key (HTTP {r.status_code}); pass --api-key-file")
-    if r.status_code != 200:
-        return BoxView(node.label, node.url, health, ready, f"{C.BOX_STATUS_PATH} answered HTTP {r.status_code}")
+                       f"{C.BOX_STATUS_PATH} refused the API key (HTTP {r.status}); pass --api-key-file")
+    if r.status != 200:
+        return BoxView(node.label, node.url, health, ready, f"{C.BOX_STATUS_PATH} answered HTTP {r.status}")
     try:
         return summarize(node, health, ready, r.json())
     except (ValueError, TypeError, AttributeError) as exc:
@@ -112,12 +108,11 @@ def summarize(node: Node, health: str, ready: str, st: dict) -> BoxView:
 def router_metrics(url: str, timeout: float = 2.0) -> tuple[dict, str]:
     """``{(name, frozenset(labels)): value}`` from the router's Prometheus text, and an error ('' if none)."""
     from prometheus_client.parser import text_string_to_metric_families
-    try:
-        r = httpx.get(url, timeout=timeout)
-    except httpx.HTTPError as exc:
-        return {}, f"metrics {url}: {_err(exc)}"
-    if r.status_code != 200:
-        return {}, f"metrics {url}: HTTP {r.status_code}"
+    r = fetch_sync(url, timeout_s=timeout)
+    if r.error:
+        return {}, f"metrics {url}: {_err(r)}"
+    if r.status != 200:
+        return {}, f"metrics {url}: HTTP {r.status}"
     out: dict = {}
     try:
         for fam in text_string_to_metric_families(r.text):
@@ -143,12 +138,11 @@ def collect(fleet: FleetPlan, api_key: str | None = None, timeout: float = 2.0) 
         metrics, merr = router_metrics(fleet.router.metrics_url, timeout)
         boxes = [f.result() for f in futs]
     router = "ok"
-    try:
-        r = httpx.get(fleet.router.url + "/list_workers", timeout=timeout)
-        if r.status_code != 200:
-            router = f"down: /list_workers HTTP {r.status_code}"
-    except httpx.HTTPError as exc:
-        router = f"down: {_err(exc)}"
+    r = fetch_sync(fleet.router.url + "/list_workers", timeout_s=timeout)
+    if r.error:
+        router = f"down: {_err(r)}"
+    elif r.status != 200:
+        router = f"down: /list_workers HTTP {r.status}"
     out = []
     for b, n in zip(boxes, fleet.nodes):
         w = n.url
@@ -210,11 +204,10 @@ def render_support(node: Node, api_key: str | None = None, timeout: float = 2.0)
     """Whether the box answers POST /v1/completions/render, which vllm-router's cache_aware asks for every text
     prompt (pdctl >= this version answers it from the engines' /tokenize): yes | no | unknown (why)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        r = httpx.post(node.url + "/v1/completions/render", json={"prompt": "pdctl probe"}, headers=headers,
-                       timeout=timeout)
-    except httpx.HTTPError as exc:
-        return f"unknown ({_err(exc)})"
-    if r.status_code in (404, 405, 501):
+    r = fetch_sync(node.url + "/v1/completions/render", "POST", json.dumps({"prompt": "pdctl probe"}).encode(),
+                   headers, timeout_s=timeout)
+    if r.error:
+        return f"unknown ({_err(r)})"
+    if r.status in (404, 405, 501):
         return "no"
-    return "yes" if r.status_code == 200 else f"unknown (HTTP {r.status_code})"
+    return "yes" if r.status == 200 else f"unknown (HTTP {r.status})"

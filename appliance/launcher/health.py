@@ -1,17 +1,20 @@
 """One short HTTP health probe, classified the way a launcher needs it.
 
 vLLM binds its port before the model is loaded and may answer slowly while it loads, so a probe has a
-short time-out and a time-out means "starting", never "dead". Stdlib only: this runs once a second for
-the whole life of every engine.
+short time-out and a time-out means "starting", never "dead". One request on the wire client
+(``fetch_sync``: a connection and a private event loop per probe, closed after it; it runs once a second
+for the whole life of every engine).
 """
 from __future__ import annotations
 
-import http.client
-import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from ..wire.fetch import fetch_sync
+
 HEALTHY, STARTING, UNHEALTHY, CLOSED = "healthy", "starting", "unhealthy", "closed"
+_BODY_LIMIT = 64 * 1024          # a health answer is empty or short; a longer one is an error, not a hang
+_CONNECT = "connect to "         # how the wire client's errors begin when the connection could not be made
 
 
 @dataclass(frozen=True)
@@ -27,21 +30,15 @@ class Probe:
 def probe(url: str, timeout_s: float = 2.0) -> Probe:
     """GET ``url`` once; never raises."""
     parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    port = parts.port or 80
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        conn.request("GET", path, headers={"Connection": "close"})
-        resp = conn.getresponse()
-        resp.read(4096)
-        if resp.status == 200:
-            return Probe(HEALTHY, f"{path} 200")
-        return Probe(UNHEALTHY, f"{path} answered HTTP {resp.status}")
-    except (socket.timeout, TimeoutError):
+    r = fetch_sync(url, headers={"Connection": "close"}, timeout_s=timeout_s, limit=_BODY_LIMIT)
+    if r.timed_out:
         return Probe(STARTING, f"{path} did not answer within {timeout_s:g} s")
-    except ConnectionRefusedError:
+    if r.error.startswith(_CONNECT):                 # refused: nothing listens there
         return Probe(CLOSED, f"port {port} not open yet")
-    except (OSError, http.client.HTTPException) as exc:
-        return Probe(UNHEALTHY, f"{path} failed: {type(exc).__name__}: {exc}")
-    finally:
-        conn.close()
+    if r.error:
+        return Probe(UNHEALTHY, f"{path} failed: {r.error}")
+    if r.status == 200:
+        return Probe(HEALTHY, f"{path} 200")
+    return Probe(UNHEALTHY, f"{path} answered HTTP {r.status}")

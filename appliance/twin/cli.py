@@ -149,7 +149,8 @@ def cmd_simulate(a) -> int:
 
 def cmd_engine(a) -> int:
     from .costmodel import EngineConfig
-    from .engine import EngineOptions, run
+    from .engine import EngineOptions
+    from .engine_http import run
     from .gpus import default_state_file
     _setup_logging()
     state = a.state_file or (str(default_state_file(a.gpu_index)) if a.gpu_index is not None else None)

@@ -1,4 +1,4 @@
-"""Twin engine: a process with vLLM's HTTP surface whose timing comes from the twin cost model.
+"""Twin engine: the simulated vLLM engine behind the twin's HTTP surface (engine_http.py).
 
 The scheduler is ``core.EngineCore`` and the request's way in and out is ``kvpath`` (both the simulator's),
 stepped in real time: each step sleeps its cost-model duration x ``time_scale`` (wall seconds per model
@@ -7,7 +7,8 @@ second; 0.25 runs four times faster than the GPU it imitates). The cost paramete
 with the setup's prefix cache, their blocks in the engine's own cache; only what the engine lacks is loaded
 over the simulated host link, and only the rest is prefilled. Prefill (and ``both``) engines store the
 prompt's new chunks after finishing, then, when LMCache's request telemetry env is set, POST
-``request_store_finished`` like LMCache does. Text is generated filler; token ids are ``tokens.tokenize``.
+``request_store_finished`` like LMCache does (on the wire client). Text is generated filler; token ids are
+``tokens.tokenize``.
 """
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from aiohttp import web
-
 from appliance import constants as C
 from appliance.models import resolve as resolve_model
 
@@ -30,13 +29,16 @@ from . import gpus, kvpath, tokens
 from .core import EngineCore, HostLink, Seq
 from .costmodel import CostModel, CostParams, EngineConfig
 from .engine_metrics import EngineMetrics
-from .faults import Fault, FaultError
+from .faults import Fault
 from .hardware import resolve as resolve_hw
 from .kvclient import KVClient
+from ..wire.client import Pool
+from ..wire.fetch import fetch, split
 
 log = logging.getLogger("pdctl.twin.engine")
 VLLM_VERSION = "0.33.0"
 ROLES = ("prefill", "decode", "both")
+TELEMETRY_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -141,7 +143,7 @@ class TwinEngine:
         self.telemetry_sent = 0
         self._work: Optional[asyncio.Event] = None
         self._tasks: list[asyncio.Task] = []
-        self._session = None
+        self._telemetry_pool: Optional[Pool] = None
         self._bg: set = set()
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -157,8 +159,8 @@ class TwinEngine:
     async def stop(self) -> None:
         for t in self._tasks + list(self._bg):
             t.cancel()
-        if self._session is not None:
-            await self._session.close()
+        if self._telemetry_pool is not None:
+            self._telemetry_pool.close()
         if self.kv:
             self.kv.close()
 
@@ -257,17 +259,20 @@ class TwinEngine:
             await self._post_telemetry(seq.rid)
 
     async def _post_telemetry(self, rid: str) -> None:
-        import aiohttp
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        if self._telemetry_pool is None:
+            try:
+                host, port, _ = split(self.telemetry)
+                self._telemetry_pool = Pool(host, port, connect_timeout_s=TELEMETRY_TIMEOUT_S)
+            except ValueError:
+                pass                  # fetch says why
         body = {"event": C.TELEMETRY_EVENT_STORE_FINISHED, "request_ids_set": [rid], "model_name": self.name,
                 "world_size": 1, "kv_rank": 0}
-        try:
-            async with self._session.post(self.telemetry, json=body) as resp:
-                await resp.read()
+        r = await fetch(self.telemetry, "POST", json.dumps(body).encode(), timeout_s=TELEMETRY_TIMEOUT_S,
+                        pool=self._telemetry_pool)
+        if r.error:
+            log.warning("telemetry POST to %s failed: %s", self.telemetry, r.error)
+        else:
             self.telemetry_sent += 1
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            log.warning("telemetry POST to %s failed: %s", self.telemetry, exc)
 
     # ---- GPU state file --------------------------------------------------------------------------
     async def _write_state(self) -> None:
@@ -292,245 +297,3 @@ class TwinEngine:
                 gpus.write_state(path, sample)
             except OSError as exc:
                 log.warning("cannot write GPU state %s: %s", path, exc)
-
-
-# ---- HTTP --------------------------------------------------------------------------------------------
-def _error(status: int, message: str, etype: str = "BadRequestError") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": etype, "param": None, "code": status}},
-                             status=status)
-
-
-def _loopback(request: web.Request) -> bool:
-    return (request.remote or "") in ("127.0.0.1", "::1", "localhost")
-
-
-def build_app(eng: TwinEngine) -> web.Application:
-    opts = eng.opts
-
-    @web.middleware
-    async def faults(request: web.Request, handler):
-        if request.path != C.TWIN_ADMIN_PATH:
-            if eng.fault.mode == "hang":
-                await eng.fault.resumed.wait()
-            if eng.fault.mode == "dead" and request.path in ("/health", "/ping"):
-                return web.Response(status=503)
-            if eng.fault.mode in ("dead", "http500") and request.path.startswith("/v1/") and request.method == "POST":
-                kind = "EngineDeadError" if eng.fault.mode == "dead" else "InternalServerError"
-                return _error(500, f"twin fault injected: {eng.fault.mode}", kind)
-        return await handler(request)
-
-    async def health(_):
-        return web.Response(status=200)
-
-    async def version(_):
-        return web.json_response({"version": VLLM_VERSION})
-
-    async def models(_):
-        now = int(time.time())
-        return web.json_response({"object": "list", "data": [{
-            "id": eng.name, "object": "model", "created": now, "owned_by": "vllm", "root": eng.model.hf_id,
-            "parent": None, "max_model_len": opts.max_model_len,
-            "permission": [{"id": f"modelperm-{secrets.token_hex(8)}", "object": "model_permission",
-                            "created": now, "allow_create_engine": False, "allow_sampling": True,
-                            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                            "allow_fine_tuning": False, "organization": "*", "group": None,
-                            "is_blocking": False}]}]})
-
-    async def metrics(_):
-        return web.Response(body=eng.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
-
-    async def tokenize(request):
-        try:
-            body = await request.json()
-            ids = tokens.chat_ids(body["messages"]) if "messages" in body else tokens.prompt_ids(body.get("prompt"))
-        except (json.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return _error(400, f"bad tokenize request: {exc}")
-        return web.json_response({"count": len(ids), "max_model_len": opts.max_model_len, "tokens": ids})
-
-    async def admin(request):
-        if not _loopback(request):
-            return _error(403, "fault injection is accepted from loopback only", "PermissionError")
-        if request.method == "GET":
-            return web.json_response({**eng.fault.to_dict(), "role": opts.role, "kv": opts.kv,
-                                      "kv_http": opts.kv_http, "telemetry_sent": eng.telemetry_sent})
-        try:
-            body = await request.json()
-            eng.fault.set(str(body.get("mode", "")), body.get("arg"))
-        except (json.JSONDecodeError, AttributeError) as exc:
-            return _error(400, f"body must be JSON like {{\"mode\": \"slow\", \"arg\": 5}} ({exc})")
-        except FaultError as exc:
-            return _error(400, str(exc))
-        if eng.fault.mode == "crash":
-            asyncio.get_running_loop().call_later(0.05, os._exit, 1)
-        return web.json_response(eng.fault.to_dict())
-
-    async def completions(request):
-        return await _generate(request, chat=False)
-
-    async def chat(request):
-        return await _generate(request, chat=True)
-
-    async def _generate(request: web.Request, chat: bool):
-        arrived = asyncio.get_running_loop().time()
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("request body must be a JSON object")
-            if chat:
-                msgs = body.get("messages")
-                if not isinstance(msgs, list) or not msgs:
-                    raise ValueError("'messages' must be a non-empty list")
-                ids = tokens.chat_ids(msgs)
-                last = msgs[-1] if isinstance(msgs[-1], dict) else {}
-                tail = last.get("content") if body.get("continue_final_message") and isinstance(
-                    last.get("content"), str) else ""
-            else:
-                if "prompt" not in body:
-                    raise ValueError("'prompt' is required")
-                ids = tokens.prompt_ids(body["prompt"])
-                tail = body["prompt"] if isinstance(body["prompt"], str) else ""
-            start = tokens.answer_start(ids, tail)      # a continued answer goes on where it stopped
-            if not ids:
-                raise ValueError("the prompt is empty")
-            mt = body.get("max_completion_tokens") if chat else None
-            mt = mt if mt is not None else body.get("max_tokens")
-            if mt is None:
-                mt = (opts.max_model_len - len(ids)) if chat else 16
-            mt = int(mt)
-            if mt < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {mt}")
-        except (json.JSONDecodeError, ValueError, TypeError) as exc:
-            return _error(400, str(exc))
-        if len(ids) + mt > opts.max_model_len:
-            return _error(400, f"This model's maximum context length is {opts.max_model_len} tokens. However, "
-                               f"you requested {len(ids) + mt} tokens ({len(ids)} in the messages, {mt} in the "
-                               "completion). Please reduce the length of the messages or completion.")
-        stream = bool(body.get("stream", False))
-        want_ids = bool(body.get("return_token_ids"))
-        usage_in_stream = bool((body.get("stream_options") or {}).get("include_usage", False))
-        xrid = request.headers.get("X-Request-Id") or secrets.token_hex(8)
-        prefix = "chatcmpl" if chat else "cmpl"
-        rid = f"{prefix}-{xrid}"
-        vllm_rid = f"{prefix}-{xrid}-0-{secrets.token_hex(4)}"
-        seq, live = await eng.submit(ids, mt, vllm_rid, arrived)
-        created = int(time.time())
-        usage = lambda: {"prompt_tokens": len(ids), "total_tokens": len(ids) + live.n,  # noqa: E731
-                         "completion_tokens": live.n}
-        cut_after = int(eng.fault.arg) if eng.fault.mode == "die_mid_stream" else None
-        try:
-            if not stream:
-                text, reason = [], "length"
-                while True:
-                    kind, val = await live.q.get()
-                    if kind == "tok":
-                        text.append(tokens.filler(start + val))
-                        if cut_after is not None and live.n >= cut_after:
-                            eng.abort(seq)
-                            request.transport.abort()
-                            return web.Response(status=500)
-                    elif kind == "err":
-                        return _error(400, val)
-                    else:
-                        reason = val
-                        break
-                u = {**usage(), "prompt_tokens_details": None}
-                if chat:
-                    choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text).strip(),
-                                                      "refusal": None, "annotations": None, "audio": None,
-                                                      "function_call": None, "reasoning": None},
-                              "logprobs": None, "finish_reason": reason, "stop_reason": None, "token_ids": None}
-                    obj = {"id": rid, "object": "chat.completion", "created": created, "model": eng.name,
-                           "choices": [choice], "service_tier": None, "system_fingerprint": eng.fingerprint,
-                           "usage": u, "prompt_logprobs": None, "prompt_token_ids": None,
-                           "kv_transfer_params": None}
-                else:
-                    choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": reason,
-                              "stop_reason": None, "prompt_logprobs": None, "prompt_token_ids": None,
-                              "token_ids": None}
-                    obj = {"id": rid, "object": "text_completion", "created": created, "model": eng.name,
-                           "choices": [choice], "service_tier": None, "system_fingerprint": eng.fingerprint,
-                           "usage": u, "kv_transfer_params": None}
-                return web.json_response(obj)
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-            await resp.prepare(request)
-
-            async def send(obj: dict) -> None:
-                await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
-
-            head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created, "model": eng.name}
-            if chat:
-                await send({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}],
-                            "prompt_token_ids": ids if want_ids else None, "prompt_text": None})
-            while True:
-                kind, val = await live.q.get()
-                if kind == "err":
-                    await send({"error": {"message": val, "type": "BadRequestError", "code": 400}})
-                    break
-                if kind == "fin":
-                    break
-                last = val == mt - 1          # the engine never stops early: the last token is known
-                await _send_piece(send, head, chat, tokens.filler(start + val), "length" if last else None,
-                                  eng.fingerprint if last and not usage_in_stream else None,
-                                  [tokens.filler_id(start + val)] if want_ids else None,
-                                  ids if want_ids and val == 0 and not chat else None)
-                if cut_after is not None and live.n >= cut_after and not last:
-                    eng.abort(seq)
-                    request.transport.abort()
-                    return resp
-            if usage_in_stream:
-                await send({**head, "choices": [], "usage": usage(), "system_fingerprint": eng.fingerprint})
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        except (ConnectionResetError, asyncio.CancelledError):
-            eng.abort(seq)
-            raise
-        finally:
-            if not live.done:
-                eng.abort(seq)
-
-    app = web.Application(middlewares=[faults])
-    app.add_routes([
-        web.get("/health", health), web.get("/ping", health), web.post("/ping", health),
-        web.get("/version", version), web.get("/v1/models", models), web.get("/metrics", metrics),
-        web.post("/tokenize", tokenize), web.post("/v1/completions", completions),
-        web.post("/v1/chat/completions", chat),
-        web.get(C.TWIN_ADMIN_PATH, admin), web.post(C.TWIN_ADMIN_PATH, admin),
-    ])
-
-    async def on_startup(_):
-        await eng.start()
-
-    async def on_cleanup(_):
-        await eng.stop()
-
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    return app
-
-
-async def _send_piece(send, head: dict, chat: bool, text: str, reason: Optional[str],
-                      fingerprint: Optional[str] = None, token_ids: Optional[list] = None,
-                      prompt_ids: Optional[list] = None) -> None:
-    if chat:
-        choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason,
-                  "token_ids": token_ids}
-        if reason is not None:
-            choice["stop_reason"] = None
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None,
-                  "prompt_token_ids": prompt_ids, "token_ids": token_ids}
-    obj = {**head, "choices": [choice]}
-    if fingerprint:
-        obj["system_fingerprint"] = fingerprint
-    await send(obj)
-
-
-def run(opts: EngineOptions) -> None:
-    """Serve until SIGTERM/SIGINT (aiohttp's run_app handles both)."""
-    eng = TwinEngine(opts)
-    print(f"Starting vLLM server on http://{opts.host}:{opts.port} (twin: {opts.role}, {eng.hw.name}, "
-          f"{eng.model.name}, KV {eng.core.capacity} tokens, time-scale {opts.time_scale})", flush=True)
-    web.run_app(build_app(eng), host=opts.host, port=opts.port, access_log=None, print=None, handle_signals=True)

@@ -53,8 +53,8 @@ class EngineMetrics:
         ln = ["engine", "model_name"]
         out = []
 
-        def gauge(name, doc, value, extra=None):
-            f = GaugeMetricFamily(name, doc, labels=ln + (list(extra[0]) if extra else []))
+        def family(cls, name, doc, value, extra=None):
+            f = cls(name, doc, labels=ln + (list(extra[0]) if extra else []))
             if extra:
                 for vals, v in extra[1]:
                     f.add_metric(lv + list(vals), v)
@@ -62,14 +62,11 @@ class EngineMetrics:
                 f.add_metric(lv, value)
             out.append(f)
 
-        def counter(name, doc, value, extra=None):
-            f = CounterMetricFamily(name, doc, labels=ln + (list(extra[0]) if extra else []))
-            if extra:
-                for vals, v in extra[1]:
-                    f.add_metric(lv + list(vals), v)
-            else:
-                f.add_metric(lv, value)
-            out.append(f)
+        def gauge(*a):
+            family(GaugeMetricFamily, *a)
+
+        def counter(*a):
+            family(CounterMetricFamily, *a)
 
         gauge(C.VLLM_RUNNING, "Number of requests in model execution batches.", core.num_running)
         gauge(C.VLLM_WAITING, "Number of requests waiting to be processed.", core.num_waiting + e.loading)

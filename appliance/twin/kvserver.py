@@ -10,12 +10,13 @@ LMCache-compatible ops: ``ping`` (22) -> True, ``noop`` (24) -> "OK", ``get_chun
 Unknown ops answer ``{"error": ...}``. Requested-token counters include the partial last chunk (the seed
 stored unfull chunks, ``LMCACHE_SAVE_UNFULL_CHUNK=true``); LMCache without it counts whole chunks only.
 
-HTTP (loopback by default): ``/healthcheck``, ``/status`` (LMCache's key layout), ``/metrics``
+HTTP on the wire server (loopback by default): ``/healthcheck``, ``/status`` (LMCache's key layout), ``/metrics``
 (``lmcache_mp_*`` names), ``/version``, ``POST /cache/clear``.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any, Optional
@@ -27,6 +28,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from appliance import constants as C
 
 from .kvstore import ChunkStore
+from .routes import Routes, json_response
+from ..wire.server import Response, Server
 
 log = logging.getLogger("pdctl.twin.kvserver")
 
@@ -167,33 +170,39 @@ class _Collector:
         return fams
 
 
-def build_http_app(st: KVServerState):
-    from aiohttp import web
-
+def build_routes(st: KVServerState) -> Routes:
+    """LMCache's monitoring routes over ``st``."""
     registry = CollectorRegistry()
     registry.register(_Collector(st))
 
     async def healthcheck(_):
-        return web.json_response({"status": "healthy"})
+        return json_response({"status": "healthy"})
 
     async def status(_):
-        return web.json_response(st.status())
+        return json_response(st.status())
 
     async def metrics(_):
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": "text/plain; version=0.0.4"})
+        return Response(generate_latest(registry), content_type="text/plain; version=0.0.4")
 
     async def version(_):
-        return web.json_response(VERSION)
+        return json_response(VERSION)
 
     async def clear(_):
         st.store.clear()
-        return web.json_response({"status": "ok"})
+        return json_response({"status": "ok"})
 
-    app = web.Application()
-    app.add_routes([web.get("/healthcheck", healthcheck), web.get("/status", status),
-                    web.get("/metrics", metrics), web.get("/version", version),
-                    web.post("/cache/clear", clear)])
-    return app
+    r = Routes()
+    r.get("/healthcheck", healthcheck)
+    r.get("/status", status)
+    r.get("/metrics", metrics)
+    r.get("/version", version)
+    r.post("/cache/clear", clear)
+    return r
+
+
+def _error_body(status: int, message: str, code: str) -> bytes:
+    """Errors the wire server answers itself, in the shape of LMCache's FastAPI server."""
+    return json.dumps({"detail": message}).encode()
 
 
 async def serve(host: str, port: int, http_host: str, http_port: int, l1_size_gb: float,
@@ -201,7 +210,6 @@ async def serve(host: str, port: int, http_host: str, http_port: int, l1_size_gb
     """Run ZMQ and HTTP until cancelled."""
     import zmq
     import zmq.asyncio
-    from aiohttp import web
 
     st = KVServerState(int(l1_size_gb * 1e9))
     ctx = zmq.asyncio.Context.instance()
@@ -209,9 +217,12 @@ async def serve(host: str, port: int, http_host: str, http_port: int, l1_size_gb
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(f"tcp://{host}:{port}")
-    runner = web.AppRunner(build_http_app(st), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, http_host, http_port).start()
+    srv = Server(build_routes(st).dispatch, _error_body, name="the twin KV server")
+    try:
+        await srv.start(http_host, http_port)
+    except OSError:
+        sock.close(0)
+        raise
     log.info("twin KV server: zmq tcp://%s:%d, http http://%s:%d, L1 %.1f GB", host, port, http_host,
              http_port, l1_size_gb)
     print(f"LMCache twin cache server is running on {host}:{port} (http {http_host}:{http_port})", flush=True)
@@ -228,4 +239,4 @@ async def serve(host: str, port: int, http_host: str, http_port: int, l1_size_gb
                     log.warning("reply dropped: %s", exc)
     finally:
         sock.close(0)
-        await runner.cleanup()
+        await srv.stop()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 
-import aiohttp
 import pytest
 
 from appliance.bench.kvrate import KVEndpoints, KVRateProbe, endpoints_from_plan, hit_rates, parse_counters
@@ -45,10 +44,9 @@ async def test_probe_reads_a_moving_endpoint_and_reports_a_dead_one(standin):
     s = standin("--ttft", "0.01", "--itl", "0.002", "--hit-fraction", "0.6", "--dec-hit-fraction", "0.9")
     prof = load_profile("seed-p50", input_len=1000, prefix_len=600, output_len=4)
     probe = KVRateProbe(KVEndpoints((s.url + "/metrics", "http://127.0.0.1:9/metrics"), "flags"))
-    async with aiohttp.ClientSession() as sess:
-        await probe.start(sess)
-        await run_rate(s.url, "standin", PromptFactory(prof, TWIN_APPROX).prompts("k", 10), 50.0, 4)
-        r = await probe.stop(sess)
+    await probe.start()
+    await run_rate(s.url, "standin", PromptFactory(prof, TWIN_APPROX).prompts("k", 10), 50.0, 4)
+    r = await probe.stop()
     # lifetime totals are 10 %; the run's delta is what the stand-in injected
     assert r["lmcache"] == pytest.approx(0.6, abs=0.002) and r["kv_hit_rate"] == r["lmcache"]
     assert r["decoders"] == pytest.approx(0.9, abs=0.002)

@@ -1,0 +1,309 @@
+"""One simulated run of a PD stack: the event loop, the engines, the KV store and the proxy's policy.
+
+``SimStack`` holds what one rate of ``simulator.simulate`` runs on: engines (``core.EngineCore`` each, with
+their host links and prefix cache), the KV server's chunk store, and the proxy choosing legs by policy
+(round-robin, pdctl, adaptive: see simulator.py). Requests move through it as events at model times
+(``EventLoop``); the prefill and decode legs (``PrefillLeg``, ``DecodeLeg``) are the engines' payloads and
+carry each request from leg to leg. simulator.py draws the arrivals and summarises the finished requests.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from appliance.constants import LMCACHE_CHUNK_TOKENS
+
+from . import kvpath
+from .core import EngineCore, HostLink, Seq
+from .costmodel import CostModel
+from .kvstore import ChunkStore
+from .workloads import Mix, Workload
+from ..decide import AGGREGATE, R_STATIC, SPLIT, Thresholds, WorkerLoad, decide
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    name: str = "round-robin"
+    skip_uncached_max: int = 512
+    thresholds: Thresholds = Thresholds()
+
+
+class EventLoop:
+    def __init__(self) -> None:
+        self.heap: list = []
+        self.n = 0
+
+    def at(self, t: float, fn: Callable, *args) -> None:
+        self.n += 1
+        heapq.heappush(self.heap, (t, self.n, fn, args))
+
+    def run(self) -> float:
+        t = 0.0
+        heap = self.heap
+        while heap:
+            t, _, fn, args = heapq.heappop(heap)
+            fn(t, *args)
+        return t
+
+
+class SimEngine:
+    def __init__(self, name: str, cost: CostModel, loop: EventLoop, role: str = "decode", connector: bool = True):
+        self.name = name
+        self.role = role          # "prefill" (kv_producer) | "decode" (kv_consumer) | "both" (kv_both)
+        self.backlog = 0          # uncached tokens sent here whose prefill has not finished (decide's input)
+        self.core = EngineCore(cost, connector)
+        self.loop = loop
+        self.link_in = HostLink()
+        self.link_out = HostLink()
+        self.busy = False
+        self.polling = False
+        self.outstanding = 0
+        self.apc = kvpath.PrefixCache()   # vLLM's prefix cache on this GPU, in blocks (used when prefix_cache)
+
+    def kick(self, t: float) -> None:
+        if self.busy or not self.core.has_work():
+            return
+        plan = self.core.step()
+        if plan is None:
+            if self.core.has_deferred() and not self.polling:   # idle: notice the answered lookup later
+                self.polling = True
+                self.loop.at(t + self.core.cost.params.connector_s, self._poll)
+            return
+        self.busy = True
+        self.loop.at(t + plan.duration, self._end, plan)
+
+    def _poll(self, t: float) -> None:
+        self.polling = False
+        self.core.release_deferred()
+        self.kick(t)
+
+    def _end(self, t: float, plan) -> None:
+        self.busy = False
+        for seq in plan.first_tokens:
+            seq.payload.on_first(t, seq)
+        for seq in plan.finished:
+            seq.payload.on_finish(t, seq)
+        for seq in plan.rejected:
+            seq.payload.on_reject(t, seq)
+        self.kick(t)
+
+
+@dataclass
+class SimRequest:
+    idx: int
+    arrival: float
+    keys: list
+    chunk_tokens: list
+    wl: Workload = None  # type: ignore[assignment]
+    ci: int = 0                       # request class (its shared prefix)
+    uncached: int = 0                 # adaptive: the decision's uncached-token estimate
+    decode_to: Optional[SimEngine] = None   # adaptive split: the D leg's engine, chosen at arrival
+    backlog_eng: Optional[SimEngine] = None
+    leg: int = 0
+    ttft: Optional[float] = None
+    e2e: Optional[float] = None
+    failed: bool = False
+    skipped_p: bool = False
+
+
+class SimStack:
+    """One run: engines, KV store, proxy policy and result collection."""
+
+    def __init__(self, cost: CostModel, roles: Sequence[str], mix: Mix, policy: PolicyConfig, kv_bytes: int,
+                 connector: bool = True):
+        self.cost = cost
+        self.connector = connector
+        self.block = cost.cfg.block_size
+        self.p = cost.params
+        self.loop = EventLoop()
+        counters: dict = {}
+        self.engines = []
+        for r in roles:
+            i = counters.get(r, 0)
+            counters[r] = i + 1
+            self.engines.append(SimEngine(f"{r}-{i}", cost, self.loop, r, connector))
+        self.pre = [e for e in self.engines if e.role == "prefill"]
+        self.dec = [e for e in self.engines if e.role in ("decode", "both")]
+        self.by_name = {e.name: e for e in self.engines}
+        self.store = ChunkStore(kv_bytes)
+        self.mix = mix
+        self.policy = policy
+        self.rr = 0
+        self.inflight = 0
+        self.max_inflight = 0
+        self.done: list[SimRequest] = []
+        self.last_t = 0.0
+        self.decisions: dict = {}
+        kvb = cost.kv_bytes_per_token
+        c = LMCACHE_CHUNK_TOKENS
+        for ci, (_, wl) in enumerate(mix.classes):   # warm-up: every class's shared prefix is stored, and (like
+            #                                           the warm-up requests did) in every engine's prefix cache
+            if connector:
+                self.store.store((("p", ci, j), c, c * kvb) for j in range(wl.prefix_len // c))
+            if self.p.prefix_cache:
+                for e in self.engines:
+                    e.apc.warm([("p", ci, b) for b in range(wl.prefix_len // self.block)])
+
+    @staticmethod
+    def shape(wl: Workload) -> list:
+        c = LMCACHE_CHUNK_TOKENS
+        return [min(c, wl.input_len - j * c) for j in range(math.ceil(wl.input_len / c))]
+
+    def keys(self, idx: int, ci: int, wl: Workload) -> list:
+        prefix_chunks = wl.prefix_len // LMCACHE_CHUNK_TOKENS
+        return [("p", ci, j) if j < prefix_chunks else ("r", idx, j)
+                for j in range(math.ceil(wl.input_len / LMCACHE_CHUNK_TOKENS))]
+
+    def blocks(self, req: "SimRequest") -> list:
+        """The prompt's full KV blocks (vLLM's prefix cache caches whole blocks only)."""
+        b, wl = self.block, req.wl
+        shared = wl.prefix_len // b
+        return [("p", req.ci, j) if j < shared else ("r", req.idx, j) for j in range(wl.input_len // b)]
+
+    # ---- proxy ---------------------------------------------------------------------------------
+    def arrive(self, t: float, req: SimRequest) -> None:
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        name = self.policy.name
+        if name == "adaptive":
+            self._adaptive(t, req)
+            return
+        n = req.wl.input_len
+        if name == "pdctl":
+            cached = min(self.store.peek(req.keys), n - 1)
+            if not self.pre or n < LMCACHE_CHUNK_TOKENS or n - cached <= self.policy.skip_uncached_max:
+                req.skipped_p = True
+                self._count(AGGREGATE, R_STATIC)
+                self.send_d(t, req)
+                return
+            eng = min(self.pre, key=lambda e: e.outstanding)
+        else:
+            eng = self.pre[self.rr % len(self.pre)]
+        self._count(SPLIT, R_STATIC)
+        self.send_p(t, req, eng)
+
+    def _count(self, kind: str, reason: str) -> None:
+        k = f"{kind}:{reason}"
+        self.decisions[k] = self.decisions.get(k, 0) + 1
+
+    def _adaptive(self, t: float, req: SimRequest) -> None:
+        n = req.wl.input_len
+        cached = min(self.store.peek(req.keys), n - 1)
+        loads = [WorkerLoad(e.name, e.role, True, e.outstanding, e.backlog, e.core.num_running,
+                            e.core.num_waiting, e.core.kv_usage()) for e in self.engines]
+        self.rr += 1
+        d = decide(n, cached, loads, self.policy.thresholds, self.rr)
+        self._count(d.kind, d.reason)
+        req.uncached = d.uncached
+        if d.kind == AGGREGATE:
+            req.skipped_p = True
+            self.send_d(t, req, self.by_name[d.decode])
+        else:
+            req.decode_to = self.by_name[d.decode]
+            self.send_p(t, req, self.by_name[d.prefill])
+
+    def send_p(self, t: float, req: SimRequest, eng: SimEngine) -> None:
+        eng.outstanding += 1
+        self.hold_backlog(req, eng)
+        self.loop.at(t + self.p.http_hop_s, self.lookup, req, eng, 1)
+
+    def send_d(self, t: float, req: SimRequest, eng: Optional[SimEngine] = None) -> None:
+        if eng is None:
+            eng = req.decode_to
+        if eng is None:
+            if self.policy.name == "pdctl":
+                eng = min(self.dec, key=lambda e: e.outstanding)
+            else:
+                eng = self.dec[self.rr % len(self.dec)]
+                self.rr += 1
+        eng.outstanding += 1
+        if req.skipped_p:
+            self.hold_backlog(req, eng)
+        self.loop.at(t + self.p.http_hop_s, self.lookup, req, eng, req.wl.output_len)
+
+    @staticmethod
+    def hold_backlog(req: SimRequest, eng: SimEngine) -> None:
+        """The request's uncached tokens count in ``eng``'s prefill backlog until its prefill is done."""
+        req.backlog_eng = eng
+        eng.backlog += req.uncached
+
+    @staticmethod
+    def release_backlog(req: SimRequest) -> None:
+        if req.backlog_eng is not None:
+            req.backlog_eng.backlog -= req.uncached
+            req.backlog_eng = None
+
+    # ---- engines -------------------------------------------------------------------------------
+    def lookup(self, t: float, req: SimRequest, eng: SimEngine, max_tokens: int) -> None:
+        n = req.wl.input_len
+        hit = self.store.lookup(req.keys, req.chunk_tokens) if self.connector else 0
+        local, last = 0, None
+        if self.p.prefix_cache:
+            keys = self.blocks(req)
+            local, last = eng.apc.hit(keys, [self.block] * len(keys))
+        adm = kvpath.admit(self.cost, t, n, hit, local, eng.link_in, self.connector)
+        p_leg = req.leg == 0 and not req.skipped_p
+        req.leg += 1
+        seq = Seq(rid=str(req.idx), prompt_len=n, max_tokens=max_tokens, hit=adm.skip, local=adm.local,
+                  payload=PrefillLeg(self, req, eng) if p_leg else DecodeLeg(self, req, eng))
+        if adm.local:
+            seq.share_key, seq.share_tokens = last, adm.local
+        self.loop.at(adm.ready_at, self._add, eng, seq, adm.defer)
+
+    def _add(self, t: float, eng: SimEngine, seq: Seq, defer: bool = False) -> None:
+        eng.core.add(seq, defer)
+        eng.kick(t)
+
+    def stored(self, t: float, req: SimRequest) -> None:
+        kvb = self.cost.kv_bytes_per_token
+        self.store.store((k, n, n * kvb) for k, n in zip(req.keys, req.chunk_tokens))
+
+    def finish(self, t: float, req: SimRequest) -> None:
+        self.inflight -= 1
+        self.last_t = max(self.last_t, t)
+        self.done.append(req)
+
+
+class PrefillLeg:
+    __slots__ = ("s", "req", "eng")
+
+    def __init__(self, s: SimStack, req: SimRequest, eng: SimEngine):
+        self.s, self.req, self.eng = s, req, eng
+
+    def on_first(self, t: float, seq: Seq) -> None:
+        pass
+
+    def on_finish(self, t: float, seq: Seq) -> None:
+        s = self.s
+        self.eng.outstanding -= 1
+        s.release_backlog(self.req)
+        if not s.connector:           # nothing is stored: the decode leg recomputes what its cache lacks
+            s.loop.at(t + s.p.http_hop_s, s.send_d, self.req)
+            return
+        stored_at, notified = kvpath.store(s.cost, t, seq.prompt_len - seq.hit, self.eng.link_out)
+        s.loop.at(stored_at, s.stored, self.req)
+        s.loop.at(max(t + s.p.http_hop_s, notified), s.send_d, self.req)
+
+    def on_reject(self, t: float, seq: Seq) -> None:
+        self.eng.outstanding -= 1
+        self.s.release_backlog(self.req)
+        self.req.failed = True
+        self.s.finish(t, self.req)
+
+
+class DecodeLeg(PrefillLeg):
+    def on_first(self, t: float, seq: Seq) -> None:
+        s = self.s
+        self.req.ttft = t + s.p.http_hop_s - self.req.arrival
+        s.release_backlog(self.req)
+        if s.connector and self.eng.role in ("both", "prefill") and seq.preemptions == 0:   # kv_both stores
+            stored_at, _ = kvpath.store(s.cost, t, seq.prompt_len - seq.hit, self.eng.link_out)
+            s.loop.at(stored_at, s.stored, self.req)
+
+    def on_finish(self, t: float, seq: Seq) -> None:
+        self.eng.outstanding -= 1
+        t_out = t + self.s.p.http_hop_s
+        self.req.e2e = t_out - self.req.arrival
+        self.s.finish(t_out, self.req)
