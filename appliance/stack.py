@@ -86,7 +86,7 @@ class Stack:
     def start(self, ready_timeout: float = 60.0) -> "Stack":
         (self.workdir / "run" / "twin").mkdir(parents=True, exist_ok=True)
         (self.workdir / "plan.json").write_text(json.dumps(self.plan.to_json(), indent=2))
-        self.config_path.write_text(f"schema_version = 1\n")
+        self.config_path.write_text("schema_version = 1\n")
         kv = self.plan.kv_server
         self._spawn("kvserver", list(kv.argv), kv.env)
         self.wait_http(f"{kv.http_url}/healthcheck", ready_timeout, "KV server")

@@ -52,7 +52,7 @@ def _err(r: Reply) -> str:
     """Why a request got no answer, in the words of the status table."""
     if r.timed_out:
         return "timed out"
-    if r.error.startswith("connect to "):
+    if r.unreachable:
         return "connection refused or unreachable"
     return r.error
 

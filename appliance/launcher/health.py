@@ -14,7 +14,6 @@ from ..wire.fetch import fetch_sync
 
 HEALTHY, STARTING, UNHEALTHY, CLOSED = "healthy", "starting", "unhealthy", "closed"
 _BODY_LIMIT = 64 * 1024          # a health answer is empty or short; a longer one is an error, not a hang
-_CONNECT = "connect to "         # how the wire client's errors begin when the connection could not be made
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ def probe(url: str, timeout_s: float = 2.0) -> Probe:
     r = fetch_sync(url, headers={"Connection": "close"}, timeout_s=timeout_s, limit=_BODY_LIMIT)
     if r.timed_out:
         return Probe(STARTING, f"{path} did not answer within {timeout_s:g} s")
-    if r.error.startswith(_CONNECT):                 # refused: nothing listens there
+    if r.unreachable:                                # refused: nothing listens there
         return Probe(CLOSED, f"port {port} not open yet")
     if r.error:
         return Probe(UNHEALTHY, f"{path} failed: {r.error}")

@@ -24,6 +24,10 @@ class UpstreamTimeout(UpstreamError):
     pass
 
 
+class UpstreamUnreachable(UpstreamError):
+    """No connection could be made (refused, unreachable): the peer never saw the request."""
+
+
 class Conn(asyncio.Protocol):
     """One keep-alive connection to an engine; parses answers with httptools (llhttp)."""
 
@@ -59,7 +63,7 @@ class Conn(asyncio.Protocol):
         if self.state == _BODY and self.until_close:
             self.state = _DONE
         elif self.state != _DONE and self.error is None:
-            self.error = UpstreamError("the engine closed the connection" +
+            self.error = UpstreamError("the server closed the connection" +
                                        (" before answering" if self.state == _HEAD else " mid-body"))
         self._wake()
 
@@ -75,7 +79,7 @@ class Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self.fail(UpstreamError(f"malformed HTTP from the engine: {e}"))
+            self.fail(UpstreamError(f"malformed HTTP from the server: {e}"))
             return
         if self.pending_bytes > _PAUSE_AT and not self.paused:
             self.paused = True
@@ -134,7 +138,7 @@ class Conn(asyncio.Protocol):
 
     def _timeout(self, fut, timeout_s):
         if not fut.done():
-            self.fail(UpstreamTimeout(f"no data from the engine within {timeout_s:g} s"))
+            self.fail(UpstreamTimeout(f"no data from the server within {timeout_s:g} s"))
 
     async def head(self, timeout_s: float | None) -> int:
         while self.state == _HEAD:
@@ -171,7 +175,7 @@ class Conn(asyncio.Protocol):
                 return bytes(out)
             out += d
             if len(out) > limit:
-                raise UpstreamError(f"engine answer larger than {limit} bytes")
+                raise UpstreamError(f"answer larger than {limit} bytes")
 
     def close(self) -> None:
         """Drop the connection (the engine sees the client go away and aborts the request)."""
@@ -217,7 +221,7 @@ class Pool:
             raise UpstreamTimeout(f"connect to {self.host}:{self.port} took over {self.connect_timeout_s:g} s") \
                 from None
         except OSError as e:
-            raise UpstreamError(f"connect to {self.host}:{self.port}: {e.strerror or e}") from None
+            raise UpstreamUnreachable(f"connect to {self.host}:{self.port}: {e.strerror or e}") from None
         self._all.add(conn)
         return conn
 

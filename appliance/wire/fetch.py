@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from .client import Pool, UpstreamError, UpstreamTimeout
+from .client import Pool, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 
 DEFAULT_LIMIT = 16 * 1024 * 1024       # a status page or a scrape; bigger answers are an error, not a hang
 
@@ -26,6 +26,7 @@ class Reply:
     headers: dict = field(default_factory=dict)
     error: str = ""                    # why there is no answer, or "" ("timeout: ..." for a time-out)
     timed_out: bool = False
+    unreachable: bool = False          # no connection could be made (refused): the peer never saw the request
 
     @property
     def ok(self) -> bool:
@@ -70,6 +71,8 @@ async def fetch(url: str, method: str = "GET", body: bytes = b"", headers: dict 
             conn.release()
     except UpstreamTimeout as e:
         return Reply(url, error=f"timeout: {e}", timed_out=True)
+    except UpstreamUnreachable as e:
+        return Reply(url, error=str(e), unreachable=True)
     except UpstreamError as e:
         return Reply(url, error=str(e))
     finally:
