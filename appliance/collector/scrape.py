@@ -1,43 +1,22 @@
 """The collector's GETs: every request of a tick in flight at once on the wire client, answers as values.
 
 The requests run on a private asyncio loop that the calling thread drives for the length of one batch (the
-collector thread each tick, ``collect_once``, ``pdctl doctor``), on one keep-alive ``Pool`` per endpoint
-(host:port: no TCP handshake per scrape), each with a short time-out, so one hung endpoint costs one
-time-out in all. A failure is a ``Reply`` whose ``error`` says why in the operator's words: "connection
+collector thread each tick, ``collect_once``, ``pdctl doctor``), on one keep-alive pool per endpoint
+(host:port: no TCP handshake per scrape; scrape_pool.py), each with a short time-out, so one hung endpoint
+costs one time-out in all. A failure is a ``Reply`` whose ``error`` says why in the operator's words: "connection
 refused (not listening)", "no answer within 0.5s", "HTTP 503" (the body kept). The Prometheus text is
 parsed by appliance.wire.prom.
 """
 from __future__ import annotations
 
 import asyncio
-import errno
 import threading
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from ..wire.client import Pool, UpstreamError
+from ..wire.client import Pool
 from ..wire.fetch import Reply, fetch, split
-
-REFUSED = "connection refused (not listening)"
-
-
-def _refused(e: Optional[BaseException]) -> bool:
-    if isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED:
-        return True
-    msg = str(e or "")                     # several addresses (localhost: ::1, 127.0.0.1), every one refused
-    return msg.startswith("Multiple exceptions") and msg.count("[Errno") == msg.count(f"[Errno {errno.ECONNREFUSED}]")
-
-
-class _Pool(Pool):
-    """The wire Pool, with a refused connect reported as such (asyncio's words are "Connect call failed")."""
-
-    async def _connect(self):
-        try:
-            return await super()._connect()
-        except UpstreamError as e:
-            if _refused(e.__context__):
-                raise UpstreamError(REFUSED) from None
-            raise
+from .scrape_pool import ScrapePool
 
 
 class Scraper:
@@ -51,6 +30,7 @@ class Scraper:
         self.timeout_s = timeout_s
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._pools: dict[tuple, Pool] = {}          # (host, port) -> its keep-alive connections
+        self._buffer = memoryview(bytearray(256 * 1024))   # every pool's reads (one loop: one at a time)
         self._lock = threading.Lock()
 
     def fetch_all(self, urls: dict) -> dict:
@@ -85,7 +65,7 @@ class Scraper:
             return Reply(url, error=str(e))
         pool = self._pools.get((host, port))
         if pool is None:
-            pool = self._pools[(host, port)] = _Pool(host, port, connect_timeout_s=self.timeout_s)
+            pool = self._pools[(host, port)] = ScrapePool(host, port, self.timeout_s, self._buffer)
         r = await fetch(url, timeout_s=self.timeout_s, pool=pool)
         if r.timed_out:
             return replace(r, error=f"no answer within {self.timeout_s:g}s")

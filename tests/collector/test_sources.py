@@ -218,6 +218,20 @@ def test_fetch_all_runs_every_get_at_once_and_reports_each_failure(endpoints):
     f.close()
 
 
+def test_answers_larger_than_the_read_buffer_arrive_whole_and_apart(endpoints):
+    """Every pool reads into one shared 256 KiB buffer: answers bigger than it, read at once, stay apart."""
+    from appliance.collector.scrape import Scraper
+    eps = [endpoints() for _ in range(3)]
+    bodies = {i: "".join(f"m{i}_{j} {j}\n" for j in range(60_000)) for i in range(3)}    # ~0.6 MB each
+    for i, e in enumerate(eps):
+        e.set("/metrics", bodies[i])
+    f = Scraper(5.0)
+    for _ in range(2):
+        got = f.fetch_all({i: f"http://127.0.0.1:{e.port}/metrics" for i, e in enumerate(eps)})
+        assert all(got[i].ok and got[i].text == bodies[i] for i in range(3))
+    f.close()
+
+
 def test_keep_alive_scraper_reuses_its_connection_and_survives_a_server_close():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
