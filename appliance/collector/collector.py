@@ -86,16 +86,17 @@ class Collector:
         return self
 
     def stop(self) -> None:
+        """Stop the thread, which releases the connections and the sampler as it ends (a tick still in its
+        time-outs ends a little after this returns)."""
         self._stop.set()
         t, self._thread = self._thread, None
-        if t is not None:
+        if t is None:
+            self.close()
+        else:
             t.join(timeout=self.interval + 5 * self.timeout_s + 2)
-            if t.is_alive():
-                return                        # a tick still in its time-outs: the thread closes when it ends
-        self.close()
 
     def close(self) -> None:
-        """Release the keep-alive connections and the GPU sampler."""
+        """Release the keep-alive connections and the GPU sampler (again: nothing to do)."""
         self._scraper.close()
         self.sampler.close()
 
@@ -119,8 +120,7 @@ class Collector:
                     delay = 0
                 self._stop.wait(delay)
         finally:
-            if self._thread is None:              # stop() gave up waiting: release what the tick held
-                self.close()
+            self.close()
 
     # -- one tick ----------------------------------------------------------------------------------
     def _endpoints(self) -> Endpoints:
