@@ -149,7 +149,7 @@ class Collector:
         parsed = D.parse(plan, got)
         self.window.push(clock.monotonic(), D.cumulative(plan, eps, parsed))
         main_pids = D.main_pids_of(plan, eps, states)
-        procs = {p[0] for g in raw_gpus for p in g.processes} if main_pids and isinstance(raw_gpus, tuple) else set()
+        procs = {p[0] for g in raw_gpus for p in g.processes} if main_pids and not isinstance(raw_gpus, NA) else set()
         p = D.derive(plan, eps, got, parsed, self.window, states, raw_gpus, lineage(procs),
                      getattr(self.sampler, "source", "gpu"), now)
         overall, reasons = S.overall(p.workers, p.kv, p.proxy)

@@ -38,7 +38,8 @@ def collector(plan, **kw) -> Collector:
     """A collector on a ManualClock (``c.clock.advance(s)``): rates over an exact window, no sleeping."""
     kw.setdefault("units", NoUnits("test: no systemd"))
     kw.setdefault("clock", ManualClock())
-    return Collector(plan, NoGpus("test: no GPUs"), interval=0.2, window_s=30, **kw)
+    kw.setdefault("gpu_sampler", NoGpus("test: no GPUs"))
+    return Collector(plan, interval=0.2, window_s=30, **kw)
 
 
 def test_ratios_and_rates_come_from_deltas_not_lifetime_totals(stack):
@@ -347,3 +348,40 @@ def test_history_is_tick_aligned_with_nan_gaps_over_the_last_history_len_ticks(s
         assert all(len(v) == len(got) for v in s.history.values()), i    # every series ends at this tick
     assert len(s.history["req_per_s"]) == 3 and not math.isnan(s.history["req_per_s"][-1])
     c.close()
+
+
+def test_a_gpu_process_belongs_to_the_worker_whose_unit_main_pid_is_its_ancestor(stack, tmp_path):
+    """Attribution walks the real process tree: a process on prefill-0's GPU whose ancestor is decode-0's
+    MainPID (a stray engine, a misplaced CUDA_VISIBLE_DEVICES) is decode-0's, which the operator must see."""
+    import os
+    import subprocess
+    import sys
+
+    from appliance.collector import twin_sampler
+    from appliance.collector.snapshot import UnitState
+    from appliance.inventory import detect
+    from appliance.twin.gpus import GpuSample, write_state
+    plan, _ = stack
+    launcher = os.getpid()                                    # this test stands for decode-0's launcher
+
+    class Units:
+        def states(self, units):
+            return {u: UnitState(u, "active", "running", 0, "serving", launcher if "decode" in u else 0, 0.0)
+                    for u in units}
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        procs = ({"pid": engine.pid, "name": "engine", "used_bytes": 2**30},
+                 {"pid": 2**22 + 7, "name": "gone", "used_bytes": 2**20})          # no such process
+        write_state(tmp_path / "gpu-0.json", GpuSample(
+            index=0, name="NVIDIA H200", util_pct=5.0, mem_used_bytes=2**30, mem_total_bytes=141 * 2**30,
+            temp_c=40.0, power_w=100.0, power_limit_w=700.0, processes=procs, updated_at=time.time(),
+            source="twin:test"))
+        c = collector(plan, gpu_sampler=twin_sampler(state_dir=tmp_path, inventory=detect("twin:2xH200")),
+                      units=Units())
+        g0 = c.tick().gpus[0]
+        c.close()
+    finally:
+        engine.kill()
+        engine.wait(10)
+    assert g0.instance == "prefill-0"
+    assert [(p.pid, p.owner) for p in g0.processes] == [(engine.pid, "decode-0"), (2**22 + 7, "prefill-0")]
