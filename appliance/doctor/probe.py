@@ -19,8 +19,9 @@ from typing import Any, Optional, Union
 
 from appliance import constants as C
 from appliance import metric_names as N
-from appliance.collector.scrape import Fetched, Fetcher
-from appliance.wire.prom import Metrics, parse_metrics
+from appliance.collector.derive import metrics as _metrics
+from appliance.collector.scrape import Scraper
+from appliance.wire.fetch import Reply
 from appliance.inventory import NA, Inventory, is_na
 
 PROXY_STATUS_PATH = C.BOX_STATUS_PATH
@@ -124,24 +125,17 @@ class Facts:
 
 
 # ----- small readers ----------------------------------------------------------------------------------
-def _na_fetch(f: Fetched) -> NA:
+def _na_fetch(f: Reply) -> NA:
     return NA(f"{f.url}: {f.error}")
 
 
-def _json(f: Fetched) -> Union[Any, NA]:
+def _json(f: Reply) -> Union[Any, NA]:
     if not f.ok:
         return _na_fetch(f)
     try:
-        return json.loads(f.body)
+        return f.json()
     except ValueError as e:
         return NA(f"{f.url}: not JSON ({e})")
-
-
-def _metrics(f: Fetched, wanted: frozenset) -> Union[Metrics, NA]:
-    if not f.ok:
-        return _na_fetch(f)
-    m = parse_metrics(f.body, wanted)
-    return NA(f"{f.url}: {m}") if isinstance(m, str) else m
 
 
 def tcp_open(port: int, timeout_s: float) -> Union[str, NA]:
@@ -348,7 +342,7 @@ def engine_venv_of(plan: Any) -> Optional[str]:
 def gather(plan: Any, *, window_s: float = 3.0, timeout_s: float = 1.0, engine_venv: Optional[str] = None,
            read_units: bool = True, inventory: Union[Inventory, NA, None] = None) -> Facts:
     kv = plan.kv_server
-    fetch = Fetcher(timeout_s)
+    fetch = Scraper(timeout_s)
     urls: dict = {"kv:health": f"{kv.http_url}/healthcheck", "kv:status": f"{kv.http_url}/status",
                   "kv:metrics": f"{kv.http_url}/metrics", "kv:version": f"{kv.http_url}/version",
                   "proxy": f"http://{C.LOOPBACK}:{plan.proxy.internal_port}{PROXY_STATUS_PATH}"}
@@ -388,7 +382,7 @@ def gather(plan: Any, *, window_s: float = 3.0, timeout_s: float = 1.0, engine_v
     finally:
         fetch.close()
 
-    def health(f: Fetched) -> Union[str, NA]:
+    def health(f: Reply) -> Union[str, NA]:
         return "ok" if f.ok else _na_fetch(f)
 
     workers = []

@@ -11,6 +11,26 @@ from appliance.plan import Plan
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+class ManualClock:
+    """The collector's clock (appliance.collector.clock.Clock), moved by the test: rates over an exact window
+    without sleeping. ``sleep`` advances it (``collect_once`` waits its settle time on the clock)."""
+
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class Endpoint:
     """One HTTP server; ``routes[path] = (status, body)`` can be changed while it runs."""
 

@@ -5,7 +5,7 @@ import json
 import time
 
 import pytest
-from collector_servers import lmcache_metrics, make_plan, proxy_metrics, vllm_metrics
+from collector_servers import ManualClock, lmcache_metrics, make_plan, proxy_metrics, vllm_metrics
 
 from appliance.collector import CallableSampler, Collector, NoGpus, NoUnits, collect_once
 from appliance.wire.prom import parse_metrics
@@ -35,8 +35,11 @@ def stack(endpoints):
 
 
 def collector(plan, **kw) -> Collector:
+    """A collector on a ManualClock (``c.clock.advance(s)``): rates over an exact window, no sleeping."""
     kw.setdefault("units", NoUnits("test: no systemd"))
-    return Collector(plan, NoGpus("test: no GPUs"), interval=0.2, window_s=30, **kw)
+    kw.setdefault("clock", ManualClock())
+    kw.setdefault("gpu_sampler", NoGpus("test: no GPUs"))
+    return Collector(plan, interval=0.2, window_s=30, **kw)
 
 
 def test_ratios_and_rates_come_from_deltas_not_lifetime_totals(stack):
@@ -50,16 +53,17 @@ def test_ratios_and_rates_come_from_deltas_not_lifetime_totals(stack):
                                          running=3, waiting=1, kv=0.25))
     ep["kv"].set("/metrics", lmcache_metrics(requested=11_000, hit=1_800))
     ep["px"].set("/metrics", proxy_metrics(110, [3.0] * 100 + [0.07] * 10, {"short_prompt": 5}))
-    time.sleep(0.3)
+    c.clock.advance(0.3)
     s = c.tick()
+    assert s.window_s == 0.3
     pre, dec = s.workers
     assert pre.local_hit_rate == pytest.approx(0.9)
     assert dec.external_hit_rate == pytest.approx(400 / 500)
     assert s.kv_layers.engine_local == pytest.approx(450 / 1000)     # token-weighted across workers
     assert s.kv_layers.connector == pytest.approx(400 / 1000)
     assert s.kv.hit_rate == pytest.approx(800 / 1000)
-    assert s.traffic.gen_tps == pytest.approx((10 + 200) / s.window_s, rel=0.05)
-    assert s.proxy.req_per_s == pytest.approx(10 / s.window_s, rel=0.05)
+    assert s.traffic.gen_tps == pytest.approx((10 + 200) / 0.3)
+    assert s.proxy.req_per_s == pytest.approx(10 / 0.3)
     assert dict(s.proxy.pd_skipped) == {"short_prompt": 3.0}
     # TTFT over the window only: the 10 new requests were all <= 0.1 s, the 100 old ones 3 s
     assert s.proxy.ttft_p50_s <= 0.1 and s.proxy.ttft_p95_s <= 0.1
@@ -75,7 +79,7 @@ def test_down_endpoint_is_na_with_reason_and_the_rest_stays_live(stack):
     ep["kv"].routes.pop("/status")
     c = collector(plan)
     c.tick()
-    time.sleep(0.2)
+    c.clock.advance(0.2)
     s = c.tick()
     dec = s.workers[1]
     assert is_na(dec.health) and "refused" in dec.health.reason
@@ -121,7 +125,7 @@ def test_legacy_vllm_metric_names_are_resolved_per_version(stack):
     c = collector(plan)
     c.tick()
     ep["p"].set("/metrics", vllm_metrics(prefix_q=300, prefix_h=110, kv=0.5, legacy=True))
-    time.sleep(0.2)
+    c.clock.advance(0.2)
     w = c.tick().workers[0]
     assert w.local_hit_rate == pytest.approx(0.5)             # from vllm:gpu_prefix_cache_*
     assert w.kv_usage == 0.5                                  # from vllm:gpu_cache_usage_perc
@@ -133,10 +137,10 @@ def test_counter_reset_counts_from_the_restart(stack):
     c = collector(plan)
     c.tick()
     ep["p"].set("/metrics", vllm_metrics(prefix_q=200, prefix_h=50, prompt=200))   # engine restarted
-    time.sleep(0.2)
+    c.clock.advance(0.2)
     w = c.tick().workers[0]
     assert w.local_hit_rate == pytest.approx(0.25)
-    assert w.prompt_tps > 0
+    assert w.prompt_tps == pytest.approx(200 / 0.2)
 
 
 def test_lmcache_counters_that_appear_late_count_from_zero(stack):
@@ -144,9 +148,9 @@ def test_lmcache_counters_that_appear_late_count_from_zero(stack):
     c = collector(plan)
     c.tick()                                                   # no evicted counter yet
     ep["kv"].set("/metrics", lmcache_metrics(requested=10_000, hit=1_000, evicted=12))
-    time.sleep(0.2)
+    c.clock.advance(0.2)
     s = c.tick()
-    assert s.kv.evicted_chunks == 12.0 and s.kv.evictions_per_s > 0
+    assert s.kv.evicted_chunks == 12.0 and s.kv.evictions_per_s == pytest.approx(12 / 0.2)
 
 
 def test_breakers_from_status_json_then_from_the_gauge(stack):
@@ -193,8 +197,9 @@ def test_gpu_rows_carry_the_owning_worker_and_a_failing_sampler_degrades_only_gp
 
 
 def test_background_thread_produces_snapshots_and_stops(stack):
+    from appliance.collector.clock import REAL
     plan, _ = stack
-    c = collector(plan).start()
+    c = collector(plan, clock=REAL).start()
     try:
         deadline = time.monotonic() + 5
         while (c.latest() is None or c.latest().tick < 3) and time.monotonic() < deadline:
@@ -209,8 +214,9 @@ def test_background_thread_produces_snapshots_and_stops(stack):
 
 def test_collect_once_with_settle_fills_rates_and_serializes(stack):
     plan, _ = stack
-    s = collect_once(plan, NoGpus("none"), units=NoUnits("x"), settle_s=0.2, slo_ttft_s=2.0)
-    assert s.tick == 2 and s.slo_ttft_s == 2.0
+    clock = ManualClock()
+    s = collect_once(plan, NoGpus("none"), units=NoUnits("x"), settle_s=0.2, slo_ttft_s=2.0, clock=clock)
+    assert s.tick == 2 and s.slo_ttft_s == 2.0 and s.window_s == 0.2 and s.taken_at == clock.now == 1000.2
     assert not is_na(s.proxy.req_per_s)
     doc = json.loads(json.dumps(s.to_json()))
     assert doc["gpu_source"] == {"na": "none"} and doc["workers"][0]["instance"] == "prefill-0"
@@ -292,34 +298,26 @@ def test_twin_gpu_state_files_are_read_through_the_twin_sampler(stack, tmp_path)
 def test_prefiltered_parse_gives_the_same_snapshot_as_prometheus_client_on_whole_scrapes(stack, monkeypatch):
     """The collector parses only the families it reads; a collector fed prometheus_client's parse of the
     whole scrape (real vLLM 0.32 text) must build the very same Snapshot."""
-    from appliance.collector import collector as col
+    from appliance.collector import derive as D
     from appliance.wire.prom import reference_parse
     plan, ep = stack
+    clock = ManualClock()
+    a, b = collector(plan, clock=clock), collector(plan, clock=clock)
 
-    class Clock:
-        now = 1_000.0
-        monotonic = staticmethod(time.monotonic)
-
-        def time(self) -> float:
-            return self.now
-    clock = Clock()
-    monkeypatch.setattr(col, "time", clock)
-    a, b = collector(plan), collector(plan)
-
-    def whole(f, wanted):
-        if not f.ok:
-            return NA(f"{f.url}: {f.error}")
-        m = reference_parse(f.body)
-        return NA(f"{f.url}: {m}") if isinstance(m, str) else m
-    b._metrics = whole
-    assert a.tick() == b.tick()
+    def ticks() -> tuple:
+        sa = a.tick()
+        with monkeypatch.context() as m:           # b parses the whole scrape with prometheus_client
+            m.setattr(D, "parse_metrics", lambda text, wanted=None: reference_parse(text))
+            return sa, b.tick()
+    sa, sb = ticks()
+    assert sa == sb
     ep["p"].set("/metrics", vllm_metrics(prefix_q=1500, prefix_h=550, ext_q=1500, ext_h=0, prompt=1500, gen=20))
     ep["d"].set("/metrics", vllm_metrics(prefix_q=1500, prefix_h=0, ext_q=1500, ext_h=500, prompt=1500, gen=700,
                                          running=3, waiting=1, kv=0.25))
     ep["kv"].set("/metrics", lmcache_metrics(requested=11_000, hit=1_800))
     ep["px"].set("/metrics", proxy_metrics(110, [3.0] * 100 + [0.07] * 10, {"short_prompt": 5}))
-    clock.now += 2.0
-    sa, sb = a.tick(), b.tick()
+    clock.advance(2.0)
+    sa, sb = ticks()
     assert sa == sb
     assert sa.workers[0].local_hit_rate == pytest.approx(0.9) and sa.kv.hit_rate == pytest.approx(0.8)
     a.close()
@@ -340,6 +338,7 @@ def test_history_is_tick_aligned_with_nan_gaps_over_the_last_history_len_ticks(s
             ep["px"].routes.pop("/metrics")          # one tick without proxy metrics: NA, a gap
         elif i == 4:
             ep["px"].routes["/metrics"] = body
+        c.clock.advance(1.0)
         s = c.tick()
         ring.append(s.proxy.req_per_s)
         got = s.history["req_per_s"]
@@ -349,3 +348,40 @@ def test_history_is_tick_aligned_with_nan_gaps_over_the_last_history_len_ticks(s
         assert all(len(v) == len(got) for v in s.history.values()), i    # every series ends at this tick
     assert len(s.history["req_per_s"]) == 3 and not math.isnan(s.history["req_per_s"][-1])
     c.close()
+
+
+def test_a_gpu_process_belongs_to_the_worker_whose_unit_main_pid_is_its_ancestor(stack, tmp_path):
+    """Attribution walks the real process tree: a process on prefill-0's GPU whose ancestor is decode-0's
+    MainPID (a stray engine, a misplaced CUDA_VISIBLE_DEVICES) is decode-0's, which the operator must see."""
+    import os
+    import subprocess
+    import sys
+
+    from appliance.collector import twin_sampler
+    from appliance.collector.snapshot import UnitState
+    from appliance.inventory import detect
+    from appliance.twin.gpus import GpuSample, write_state
+    plan, _ = stack
+    launcher = os.getpid()                                    # this test stands for decode-0's launcher
+
+    class Units:
+        def states(self, units):
+            return {u: UnitState(u, "active", "running", 0, "serving", launcher if "decode" in u else 0, 0.0)
+                    for u in units}
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        procs = ({"pid": engine.pid, "name": "engine", "used_bytes": 2**30},
+                 {"pid": 2**22 + 7, "name": "gone", "used_bytes": 2**20})          # no such process
+        write_state(tmp_path / "gpu-0.json", GpuSample(
+            index=0, name="NVIDIA H200", util_pct=5.0, mem_used_bytes=2**30, mem_total_bytes=141 * 2**30,
+            temp_c=40.0, power_w=100.0, power_limit_w=700.0, processes=procs, updated_at=time.time(),
+            source="twin:test"))
+        c = collector(plan, gpu_sampler=twin_sampler(state_dir=tmp_path, inventory=detect("twin:2xH200")),
+                      units=Units())
+        g0 = c.tick().gpus[0]
+        c.close()
+    finally:
+        engine.kill()
+        engine.wait(10)
+    assert g0.instance == "prefill-0"
+    assert [(p.pid, p.owner) for p in g0.processes] == [(engine.pid, "decode-0"), (2**22 + 7, "prefill-0")]

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-from collector_servers import lmcache_metrics, make_plan, proxy_metrics, vllm_metrics
+from collector_servers import ManualClock, lmcache_metrics, make_plan, proxy_metrics, vllm_metrics
 
 from appliance.collector import Collector, NoGpus, NoUnits
-from appliance.collector import collector as col
 from appliance.decide import AGGREGATE, R_FEW_UNCACHED, R_LONG_UNCACHED, R_PREFILL_BUSY, SPLIT
 from appliance.inventory import is_na
 from appliance.status import decisions_text, legs_text, na_notes, render_json, render_text
@@ -16,17 +14,8 @@ from appliance.status import decisions_text, legs_text, na_notes, render_json, r
 AGG_FEW, AGG_BUSY, SPLIT_LONG = (AGGREGATE, R_FEW_UNCACHED), (AGGREGATE, R_PREFILL_BUSY), (SPLIT, R_LONG_UNCACHED)
 
 
-class Clock:
-    """The collector's clock, moved by the test: rates over an exact window."""
-    now = 1_000.0
-    monotonic = staticmethod(time.monotonic)
-
-    def time(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def box(endpoints, monkeypatch):
+def box(endpoints):
     """prefill-0, decode-0, both-0 + KV server + proxy; the proxy labels decode-0 by its URL, the rest by name."""
     p, d, b, kv, px, pxi = (endpoints() for _ in range(6))
     plan = make_plan({"prefill-0": (p.port, [0]), "decode-0": (d.port, [1]), "both-0": (b.port, [2])},
@@ -37,9 +26,9 @@ def box(endpoints, monkeypatch):
     kv.set("/healthcheck", "")
     kv.set("/metrics", lmcache_metrics(requested=0, hit=0))
     px.set("/ready", {"ready": True})
-    clock = Clock()
-    monkeypatch.setattr(col, "time", clock)
-    c = Collector(plan, NoGpus("test: no GPUs"), interval=1.0, window_s=30, units=NoUnits("test: no systemd"))
+    clock = ManualClock()
+    c = Collector(plan, NoGpus("test: no GPUs"), interval=1.0, window_s=30, units=NoUnits("test: no systemd"),
+                  clock=clock)
     yield c, px, clock, f"http://127.0.0.1:{d.port}"
     c.close()
 

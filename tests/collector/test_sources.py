@@ -148,7 +148,7 @@ def _canon(fams: dict) -> dict:
 
 
 def test_cached_parse_agrees_with_prometheus_client_on_a_real_scrape():
-    from appliance.collector import collector as col
+    from appliance.collector import derive as col
     from appliance.wire.prom import _TEMPLATES, parse_metrics, prefilter, reference_parse
     text = (FIX / "vllm_cpu_0.32.txt").read_text()
     whole = parse_metrics(text)
@@ -182,7 +182,7 @@ def test_cached_parse_agrees_with_prometheus_client_on_a_real_scrape():
 
 
 def test_prefilter_keeps_every_family_the_collector_reads():
-    from appliance.collector import collector as col
+    from appliance.collector import derive as col
     from appliance import metric_names as N
     from appliance.wire.prom import parse_metrics, reference_parse
     text = (FIX / "vllm_cpu_0.32.txt").read_text()
@@ -194,7 +194,7 @@ def test_prefilter_keeps_every_family_the_collector_reads():
 
 
 def test_fetch_all_runs_every_get_at_once_and_reports_each_failure(endpoints):
-    from appliance.collector.scrape import Fetcher
+    from appliance.collector.scrape import Scraper
     ok, slow, gone = endpoints(), endpoints(), endpoints()
     ok.set("/metrics", "# TYPE m gauge\nm 1\n")
     ok.set("/bad", "nope", status=503)
@@ -202,26 +202,41 @@ def test_fetch_all_runs_every_get_at_once_and_reports_each_failure(endpoints):
     slow.hang.add("/health")
     port = gone.port
     gone.close()
-    f = Fetcher(0.4)
+    f = Scraper(0.4)
     t0 = time.monotonic()
     got = f.fetch_all({"a": f"http://127.0.0.1:{ok.port}/metrics", "b": f"http://127.0.0.1:{ok.port}/bad",
                        "c": f"http://127.0.0.1:{slow.port}/health", "d": f"http://127.0.0.1:{port}/metrics",
-                       "e": f"http://localhost:{ok.port}/metrics"})
+                       "e": f"http://localhost:{ok.port}/metrics", "f": f"http://127.0.0.1:{ok.port}x/metrics"})
     took = time.monotonic() - t0
-    assert got["a"].ok and got["a"].status == 200 and got["a"].body == "# TYPE m gauge\nm 1\n"
-    assert got["b"].error == "HTTP 503" and got["b"].status == 503 and got["b"].body == "nope"
+    assert got["a"].ok and got["a"].status == 200 and got["a"].text == "# TYPE m gauge\nm 1\n"
+    assert got["b"].error == "HTTP 503" and got["b"].status == 503 and got["b"].text == "nope"
     assert got["c"].error == "no answer within 0.4s"
     assert got["d"].error == "connection refused (not listening)"
     assert got["e"].ok
+    assert not got["f"].ok and got["f"].status == 0 and "port" in got["f"].error.lower()
     assert took < 1.0                                     # one time-out for the whole batch
     f.close()
 
 
-def test_keep_alive_fetcher_reuses_its_connection_and_survives_a_server_close():
+def test_answers_larger_than_the_read_buffer_arrive_whole_and_apart(endpoints):
+    """Every pool reads into one shared 256 KiB buffer: answers bigger than it, read at once, stay apart."""
+    from appliance.collector.scrape import Scraper
+    eps = [endpoints() for _ in range(3)]
+    bodies = {i: "".join(f"m{i}_{j} {j}\n" for j in range(60_000)) for i in range(3)}    # ~0.6 MB each
+    for i, e in enumerate(eps):
+        e.set("/metrics", bodies[i])
+    f = Scraper(5.0)
+    for _ in range(2):
+        got = f.fetch_all({i: f"http://127.0.0.1:{e.port}/metrics" for i, e in enumerate(eps)})
+        assert all(got[i].ok and got[i].text == bodies[i] for i in range(3))
+    f.close()
+
+
+def test_keep_alive_scraper_reuses_its_connection_and_survives_a_server_close():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from appliance.collector.scrape import Fetcher
+    from appliance.collector.scrape import Scraper
     conns: list = []
 
     class H(BaseHTTPRequestHandler):
@@ -244,12 +259,18 @@ def test_keep_alive_fetcher_reuses_its_connection_and_survives_a_server_close():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
-        f = Fetcher(0.5)
+        f = Scraper(0.5)
         url = f"http://127.0.0.1:{srv.server_address[1]}/metrics"
-        assert all(f(url).body == "ok" for _ in range(5))
+
+        def get(u: str):
+            return f.fetch_all({0: u})[0]
+        assert all(get(url).text == "ok" for _ in range(5))
         assert len(conns) == 1
         bye = url.replace("/metrics", "/bye")
-        assert f(bye).ok and f(bye).ok
+        assert get(bye).ok and get(bye).ok
+        assert len(conns) == 2                    # the server closed the kept one after /bye: a fresh one
+        f.close()
+        assert get(url).ok and len(conns) == 3    # closed means closed; a later batch connects anew
         f.close()
     finally:
         srv.shutdown()
