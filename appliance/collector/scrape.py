@@ -2,7 +2,7 @@
 
 The requests run on a private asyncio loop that the calling thread drives for the length of one batch (the
 collector thread each tick, ``collect_once``, ``pdctl doctor``), on one keep-alive pool per endpoint
-(host:port: no TCP handshake per scrape; scrape_pool.py), each with a short time-out, so one hung endpoint
+(host:port: no TCP handshake per scrape), each with a short time-out, so one hung endpoint
 costs one time-out in all. A failure is a ``Reply`` whose ``error`` says why in the operator's words: "connection
 refused (not listening)", "no answer within 0.5s", "HTTP 503" (the body kept). The Prometheus text is
 parsed by appliance.wire.prom.
@@ -16,7 +16,6 @@ from typing import Any, Callable, Optional
 
 from ..wire.client import Pool
 from ..wire.fetch import Reply, fetch, split
-from .scrape_pool import ScrapePool
 
 
 class Scraper:
@@ -30,7 +29,6 @@ class Scraper:
         self.timeout_s = timeout_s
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._pools: dict[tuple, Pool] = {}          # (host, port) -> its keep-alive connections
-        self._buffer = memoryview(bytearray(256 * 1024))   # every pool's reads (one loop: one at a time)
         self._lock = threading.Lock()
 
     def fetch_all(self, urls: dict) -> dict:
@@ -65,7 +63,7 @@ class Scraper:
             return Reply(url, error=str(e))
         pool = self._pools.get((host, port))
         if pool is None:
-            pool = self._pools[(host, port)] = ScrapePool(host, port, self.timeout_s, self._buffer)
+            pool = self._pools[(host, port)] = Pool(host, port, self.timeout_s)
         r = await fetch(url, timeout_s=self.timeout_s, pool=pool)
         if r.timed_out:
             return replace(r, error=f"no answer within {self.timeout_s:g}s")

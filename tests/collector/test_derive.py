@@ -7,7 +7,7 @@ from collector_servers import lmcache_metrics, make_plan, proxy_metrics, vllm_me
 from appliance.collector import derive as D
 from appliance.collector.endpoints import Endpoints
 from appliance.collector.rates import Window
-from appliance.collector.scrape_pool import REFUSED
+from appliance.wire.client import REFUSED
 from appliance.inventory import NA, is_na
 from appliance.wire.fetch import Reply
 

@@ -211,7 +211,7 @@ def test_fetch_all_runs_every_get_at_once_and_reports_each_failure(endpoints):
     assert got["a"].ok and got["a"].status == 200 and got["a"].text == "# TYPE m gauge\nm 1\n"
     assert got["b"].error == "HTTP 503" and got["b"].status == 503 and got["b"].text == "nope"
     assert got["c"].error == "no answer within 0.4s"
-    assert got["d"].error == "connection refused (not listening)"
+    assert got["d"].error == f"connect to 127.0.0.1:{port}: connection refused (not listening)" and got["d"].unreachable
     assert got["e"].ok
     assert not got["f"].ok and got["f"].status == 0 and "port" in got["f"].error.lower()
     assert took < 1.0                                     # one time-out for the whole batch
