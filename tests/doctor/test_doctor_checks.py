@@ -13,7 +13,8 @@ import pytest
 from appliance.wire.prom import parse_metrics
 from appliance.doctor import checks as K
 from appliance.doctor import pairs
-from appliance.doctor.probe import KVFacts, Facts, Proc, WorkerFacts, parse_cpulist, sysfs_bdf
+from appliance.doctor.host import parse_cpulist, sysfs_bdf
+from appliance.doctor.probe import KVFacts, Facts, Proc, WorkerFacts
 from appliance.engine_flags import ENGINE_VERSIONS
 from appliance.inventory import NA, detect
 from appliance.models import resolve as resolve_model
