@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.install.test_install_systemd import WHEELHOUSE, build_wheelhouse  # noqa: F401 (re-exported)
+from tests.install.common import WHEELHOUSE, build_wheelhouse, install  # noqa: F401 (re-exported)
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PY = sys.executable
@@ -19,12 +19,6 @@ PDCTL = "/usr/local/bin/pdctl"
 GPUS = "fake:4xH200"
 COMFORTABLE_RPS = 4.0     # what the twin stack (1P3D) serves on a 2-core CI box with p50 flat (measured: 12 rps ok)
 LOAD_RPS = 2 * COMFORTABLE_RPS
-
-
-def install(box, *args, timeout=600, env=None):
-    e = {"INSTALL_PDCTL_WHEELHOUSE": str(WHEELHOUSE)}
-    e.update(env or {})
-    return box.run(["bash", str(REPO / "install.sh"), *args], timeout=timeout, env=e)
 
 
 def plan(box) -> dict:

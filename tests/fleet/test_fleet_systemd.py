@@ -43,7 +43,7 @@ def _container_venv(box) -> None:
     """A real /opt/pdctl in the container, as install.sh makes it: the system Python, pdctl and the pinned router
     installed from wheels. Nothing points back into the checkout, which a unit with PrivateTmp=/ProtectHome=
     may not see (CI may clone it under /tmp)."""
-    from tests.install.test_install_systemd import build_wheelhouse
+    from tests.install.common import build_wheelhouse
     if not Path("/usr/bin/python3").exists():
         pytest.skip("no /usr/bin/python3 for a system-Python venv")
     wh, whf = build_wheelhouse(), _router_wheelhouse()

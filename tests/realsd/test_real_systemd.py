@@ -21,7 +21,7 @@ from appliance import constants as C
 from appliance.decide import R_FEW_UNCACHED
 from tests.real.stack import expected_hit_tokens, long_prompt, metric_sum
 from tests.cache import CACHE
-from tests.install.test_install_systemd import WHEELHOUSE, build_wheelhouse
+from tests.install.common import WHEELHOUSE, build_wheelhouse
 
 pytestmark = [pytest.mark.systemd, pytest.mark.real_engine, pytest.mark.slow]
 
