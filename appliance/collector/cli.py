@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from appliance import constants as C
-
-EXIT_OK, EXIT_FAIL, EXIT_BAD = 0, 1, 2
+from appliance.errors import EXIT_BAD, EXIT_FAIL, EXIT_OK
 
 
 def _settings_value(config: Path, section: str, key: str) -> Optional[Any]:
