@@ -12,13 +12,25 @@ from typing import Any
 
 from appliance import constants as C
 from appliance.collector import cli as V
+from appliance.errors import EXIT_BAD, EXIT_FAIL, EXIT_OK, CliError
 
-EXIT_OK, EXIT_FAIL, EXIT_BAD = 0, 1, 2
+
+def _app_class():
+    """tui.app's PdctlApp, or a CliError that names the missing package (textual) instead of a traceback."""
+    try:
+        from tui.app import PdctlApp
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("textual", "rich"):
+            raise
+        raise CliError(f"the dashboard needs the {exc.name.split('.')[0]} package, which this Python lacks "
+                       f"({sys.executable}); reinstall pdctl with its dependencies. `pdctl status` shows the same "
+                       "numbers as text", EXIT_FAIL) from None
+    return PdctlApp
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
     from appliance.fleet.plan import FleetError
-    from tui.app import PdctlApp
+    PdctlApp = _app_class()
     refresh = args.refresh or V._settings_value(args.config, "tui", "refresh_s") or 1.0
     if refresh <= 0:
         print(f"pdctl tui: --refresh must be > 0 (got {refresh})", file=sys.stderr)
@@ -86,7 +98,7 @@ def demo_app(stack, refresh: float):
     from appliance.collector.gpus import twin_sampler
     from appliance.collector.units import NoUnits
     from appliance.inventory import detect
-    from tui.app import PdctlApp
+    PdctlApp = _app_class()
     plan = stack.plan
     sampler = twin_sampler(state_dir=stack.workdir / "run" / "twin", inventory=detect(plan.inventory_source))
     collector = Collector(plan, gpu_sampler=sampler, interval=refresh,
@@ -115,7 +127,7 @@ def run_demo_tui(stack, refresh: float) -> int:
         app.run()
     finally:
         collector.stop()
-    return 0
+    return EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:
