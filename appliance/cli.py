@@ -34,8 +34,9 @@ def _unavailable(verb: str, why: str):
 
 
 def _add_unavailable(sub: argparse._SubParsersAction, verb: str, help_text: str, why: str) -> None:
-    p = sub.add_parser(verb, help=f"{help_text} [not available: {why}]", add_help=True)
-    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    # no option prefix: whatever follows (--help included) is taken as is and the verb explains itself
+    p = sub.add_parser(verb, help=f"{help_text} [not available: {why}]", prefix_chars="\0", add_help=False)
+    p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     p.set_defaults(func=_unavailable(verb, why))
 
 
