@@ -42,7 +42,7 @@ def ensure_user(groups: tuple) -> None:
     except KeyError:
         info(f"creating system user {C.SERVICE_USER}")
         run_cmd(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", str(C.STATE_DIR),
-              "--shell", "/usr/sbin/nologin", C.SERVICE_USER])
+                 "--shell", "/usr/sbin/nologin", C.SERVICE_USER])
     for g in groups:
         run_cmd(["usermod", "-a", "-G", g, C.SERVICE_USER])
 
@@ -59,5 +59,5 @@ def unit_state(u: str) -> dict:
 
 def journal_tail(unit: str, lines: int = 15) -> str:
     r = run_cmd(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "short-monotonic"], check=False,
-             timeout=30)
+                timeout=30)
     return r.stdout.rstrip() or "(the journal holds no lines for it)"
