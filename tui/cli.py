@@ -31,12 +31,12 @@ def _app_class():
 def cmd_tui(args: argparse.Namespace) -> int:
     from appliance.fleet.plan import FleetError
     PdctlApp = _app_class()
-    refresh = args.refresh or V._settings_value(args.config, "tui", "refresh_s") or 1.0
+    refresh = args.refresh or V.settings_value(args.config, "tui", "refresh_s") or 1.0
     if refresh <= 0:
         print(f"pdctl tui: --refresh must be > 0 (got {refresh})", file=sys.stderr)
         return EXIT_BAD
     try:
-        front = V._front_node(args.config)
+        front = V.front_node(args.config)
     except FleetError as exc:
         print(f"pdctl tui: {exc}", file=sys.stderr)
         return EXIT_BAD
@@ -44,16 +44,17 @@ def cmd_tui(args: argparse.Namespace) -> int:
     if front is not None:         # HTTP on the watch's own thread, never the UI's
         from appliance.fleet.watch import FleetWatch
         fleet = FleetWatch(front[0], api_key=front[1]).start()
-    has_plan = V._has_plan(args.config)
+    has_plan = V.box_plan_here(args.config)
     collector = None
     try:
         if fleet is not None and not has_plan:     # a pure front node: the fleet is the dashboard
             app = PdctlApp(None, refresh=refresh, fleet=fleet)
         else:
             from appliance.collector import Collector
-            plan = V._plan(args.config)
-            slo = V._settings_value(args.config, "workload", "ttft_slo_s")
-            tpot_ms = V._settings_value(args.config, "workload", "tpot_slo_ms")
+            from appliance.config import load_plan
+            plan = load_plan(args.config)
+            slo = V.settings_value(args.config, "workload", "ttft_slo_s")
+            tpot_ms = V.settings_value(args.config, "workload", "tpot_slo_ms")
             collector = Collector(plan, interval=refresh, slo_ttft_s=slo,
                                   slo_tpot_s=tpot_ms / 1000.0 if tpot_ms else None).start()
             app = PdctlApp(collector, refresh=refresh, instances=[w.instance for w in plan.workers], fleet=fleet)
