@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 from .. import constants as C
+from ..errors import EXIT_BAD, EXIT_FAIL, EXIT_OK
 from .plan import DEFAULT_POLICY, POLICIES, FleetError, make_fleet_plan
-
-EXIT_OK, EXIT_FAIL, EXIT_BAD = 0, 1, 2
 
 
 def _fleet_from_args(args: argparse.Namespace):
