@@ -13,7 +13,7 @@ import asyncio
 import logging
 import socket
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from .. import sdnotify
 from .backends import Backend
@@ -27,10 +27,10 @@ INTERNAL_MAX_BODY = 4 * 1024 * 1024     # telemetry events and status reads only
 
 def limits(cfg, which: str = PUBLIC) -> Limits:
     """The listener limits from the config ([listener]); the loopback port takes small bodies only."""
-    return Limits(header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
-                  keepalive_timeout_s=cfg.keepalive_timeout_s, send_timeout_s=cfg.send_timeout_s,
-                  max_connections=cfg.max_connections, max_header_bytes=cfg.max_header_bytes,
-                  max_body_bytes=cfg.max_body_bytes if which == PUBLIC else INTERNAL_MAX_BODY)
+    kw = {f.name: getattr(cfg, f.name) for f in fields(Limits)}
+    if which != PUBLIC:
+        kw["max_body_bytes"] = INTERNAL_MAX_BODY
+    return Limits(**kw)
 
 
 def adopt(fds: list, cfg) -> dict:
