@@ -181,7 +181,7 @@ def journal_tail(unit: str, lines: int = 15) -> str:
 def wait_ready(plan: Plan, timeout: float) -> bool:
     """Progress lines (each unit's state and STATUS=) until the proxy's /ready answers 200, a heartbeat line at
     least every HEARTBEAT_S, and an early, explained exit when a unit has failed for good."""
-    url = f"http://127.0.0.1:{plan.proxy.port}/ready"
+    url = C.loopback_url(plan.proxy.port, "/ready")
     units = [C.KV_UNIT] + [w.unit for w in plan.workers] + [C.PROXY_UNIT]
     restarts0 = {u: int(unit_state(u).get("NRestarts") or 0) for u in units}
     info(f"waiting up to {timeout:.0f} s for {url} (a real request through every role)")
@@ -398,7 +398,7 @@ def run_uninstall(args: argparse.Namespace) -> int:
     live = root == Path("/")
     if live and os.geteuid() != 0:
         raise CliError("must run as root: re-run with sudo", EXIT_BAD)
-    sysd = root / "etc/systemd/system"
+    sysd = root / C.SYSTEMD_REL
     etc = root / str(C.ETC_DIR).lstrip("/")
     units = [C.TARGET_UNIT, C.PROXY_UNIT, C.PROXY_SOCKET, C.KV_UNIT]
     if live:
@@ -437,7 +437,7 @@ def run_uninstall(args: argparse.Namespace) -> int:
         except KeyError:
             pass
     if args.purge:
-        for d in (etc, root / str(C.STATE_DIR).lstrip("/"), root / "var/cache/pdctl", root / str(C.RUN_DIR).lstrip("/")):
+        for d in (etc, root / str(C.STATE_DIR).lstrip("/"), root / str(C.CACHE_DIR).lstrip("/"), root / str(C.RUN_DIR).lstrip("/")):
             if d.exists():
                 info(f"remove {d}")
                 shutil.rmtree(d)

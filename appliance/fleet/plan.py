@@ -121,7 +121,7 @@ def _check_host(host: str, where: str) -> str:
         pass
     if not _HOSTNAME.match(host):
         raise FleetError(f"{where}: {host!r} is not a host name or IP address; write HOST[:PORT], e.g. "
-                         "box-a.lan:9000 or 10.0.0.5")
+                         f"box-a.lan:{C.PROXY_PORT} or 10.0.0.5")
     return host
 
 

@@ -15,7 +15,7 @@ import socket
 import time
 from dataclasses import fields, replace
 
-from .. import sdnotify
+from .. import constants as C, sdnotify
 from .backends import Backend
 from .routing import POLICIES, make_policy
 from ..wire.server import Limits
@@ -110,9 +110,9 @@ def reload(server, new) -> list[str]:
         changes.append("settings: " + ", ".join(k for k in changed_keys if "key" not in k)
                        + (" (API keys re-read)" if any("key" in k for k in changed_keys) else ""))
     server.backends, server.policy, server.cfg = backends, policy, new
-    server._public.pop(("GET", "/pdctl/status"), None)
+    server._public.pop(("GET", C.BOX_STATUS_PATH), None)
     if new.public_status:
-        server._public[("GET", "/pdctl/status")] = server.h_public_status
+        server._public[("GET", C.BOX_STATUS_PATH)] = server.h_public_status
     for srv, which in zip(server._servers, (PUBLIC, INTERNAL)):
         srv.set_limits(limits(new, which))
     return changes
@@ -134,7 +134,7 @@ def serving_status(server) -> str:
 
 async def own_health(host: str, port: int, timeout_s: float) -> str:
     """'' when GET /health through our own listener answers 200 within ``timeout_s``, else why not."""
-    target = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    target = C.LOOPBACK if host in (C.ALL_INTERFACES, "") else "::1" if host == "::" else host
     try:
         r, w = await asyncio.wait_for(asyncio.open_connection(target, port), timeout_s)
     except (OSError, asyncio.TimeoutError) as e:
