@@ -226,3 +226,24 @@ def test_other_values_and_prose_pass(tmp_path):
         'HELP = "see /pdctl/status on the internal port"\n'
         'class P:\n    kv_wait_s: float = 0.5\n    timeout_s: float = 2.0\n')
     assert violations(tmp_path, ("appliance",)) == []
+
+
+def test_the_carriers_of_settings_start_from_the_schema():
+    """What travels from pdctl.toml to a running service defaults to the schema's value on every hop."""
+    from appliance.config import default
+    from appliance.decide import Thresholds
+    from appliance.plan import PROXY_TUNING, ProxyPlan
+    from appliance.planner import Workload
+    from appliance.proxy.config import ProxyConfig
+    from appliance.wire.server import Limits
+    carried = [(ProxyPlan("h", 1, 2), PROXY_TUNING), (ProxyConfig(backends=()), PROXY_TUNING),
+               (Limits(), {"listener": tuple(SCHEMA["listener"])}),
+               (Workload(), {"workload": tuple(SCHEMA["workload"])}),
+               (Thresholds(), {"proxy": ("aggregate_max_uncached", "split_max_prefill_backlog",
+                                         "split_idle_max_running", "consumer_max_uncached")}),
+               (ProxyPlan("h", 1, 2), {"proxy": ("policy", "kv_wait_s", "pd_min_prompt_tokens", "public_status")}),
+               (ProxyConfig(backends=()), {"proxy": ("host", "policy", "kv_wait_s", "pd_min_prompt_tokens")})]
+    for obj, sections in carried:
+        for section, keys in sections.items():
+            for k in keys:
+                assert getattr(obj, k) == default(section, k), (type(obj).__name__, k)
