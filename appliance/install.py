@@ -176,7 +176,7 @@ def run_uninstall(args: argparse.Namespace) -> int:
     live = root == Path("/")
     if live and os.geteuid() != 0:
         raise CliError("must run as root: re-run with sudo", EXIT_BAD)
-    sysd = root / "etc/systemd/system"
+    sysd = root / C.SYSTEMD_REL
     etc = root / str(C.ETC_DIR).lstrip("/")
     units = [C.TARGET_UNIT, C.PROXY_UNIT, C.PROXY_SOCKET, C.KV_UNIT]
     if live:
@@ -215,7 +215,7 @@ def run_uninstall(args: argparse.Namespace) -> int:
         except KeyError:
             pass
     if args.purge:
-        for d in (etc, root / str(C.STATE_DIR).lstrip("/"), root / "var/cache/pdctl", root / str(C.RUN_DIR).lstrip("/")):
+        for d in (etc, root / str(C.STATE_DIR).lstrip("/"), root / str(C.CACHE_DIR).lstrip("/"), root / str(C.RUN_DIR).lstrip("/")):
             if d.exists():
                 info(f"remove {d}")
                 shutil.rmtree(d)
