@@ -9,6 +9,7 @@ import json
 import sys
 
 from .cliargs import add_plan_flags, gpus_arg, print_plan, settings_from_args
+from .config import default
 from .errors import EXIT_OK, CliError
 
 
@@ -62,9 +63,9 @@ def _what_if_split(args: argparse.Namespace, s) -> str:
     from .bench.cli import parse_rates
     from .bench.whatif import render, what_if
     from .bench.workload import load_profile
+    from .families import PLAN_WINDOW_S, plan_workload
     from .inventory import detect
     from .plan_settings import planner_inputs
-    from .families import PLAN_WINDOW_S, plan_workload
     from .twin.simulator import Workload as SimWorkload
     if s.get("plan", "prefill") or s.get("plan", "decode") or s.get("plan", "both"):
         raise CliError("--what-if chooses the plan family itself: drop --prefill/--decode/--both")
@@ -109,7 +110,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("detect", help="list the GPUs (NVML, fake spec or JSON file)")
-    p.add_argument("--gpus", default="nvml", help="nvml | fake:8xH200 | fake:2xA100-80GB+2xH100 | none | FILE.json")
+    p.add_argument("--gpus", default=default("install", "gpus"), help="nvml | fake:8xH200 | fake:2xA100-80GB+2xH100 | none | FILE.json")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_detect)
 
