@@ -3,6 +3,10 @@
 Precedence: CLI flag > ``PDCTL_<SECTION>_<KEY>`` env > the file > defaults. Every error names the file
 and the key, and says what type or value was expected; nothing is written on error. The schema below is
 the single description of every key: ``etc/pdctl.toml`` is generated from it (``pdctl config template``).
+
+Over 400 lines on purpose: about 150 of them are the SCHEMA table, one line or two per key with its type,
+default, bounds and help. It is the one owner of every default, so it stays one table, next to the checks
+that read it.
 """
 from __future__ import annotations
 
@@ -117,7 +121,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "both_base": Key(int, C.AGGREGATED_PORT_BASE, "both-N listens on base + N (loopback)", "port"),
     },
     "proxy": {
-        "host": Key(str, "0.0.0.0", "address the public port binds (127.0.0.1 to keep it local)", "host"),
+        "host": Key(str, C.ALL_INTERFACES, "address the public port binds (127.0.0.1 to keep it local)", "host"),
         "policy": Key(str, "adaptive", "routing: adaptive (per request: aggregate on one worker or split P/D, "
                                        "from live load), pdctl (the first round's fixed skip rule) or round-robin "
                                        "(the seed's)", "policy"),
@@ -218,6 +222,28 @@ class Settings:
 def default(section: str, key: str) -> Any:
     """The schema's default for one key: the only place a default is written down."""
     return SCHEMA[section][key].default
+
+
+def schema_fields(sections: dict):
+    """Class decorator, applied under ``@dataclass``: one field per schema key named in ``sections`` (section ->
+    keys), appended after the fields written in the class, typed and defaulted from the schema. The settings that
+    travel unchanged from pdctl.toml to a running service (ProxyPlan, ProxyConfig, the wire server's Limits)
+    are declared here once instead of once per class."""
+    def add(cls):
+        ann = dict(cls.__dict__.get("__annotations__", {}))
+        for section, keys in sections.items():
+            for k in keys:
+                spec = SCHEMA[section][k]
+                if k in ann:
+                    raise TypeError(f"{cls.__name__}.{k} comes from the schema ({section}.{k}); drop it from "
+                                    "the class")
+                if spec.type is list:
+                    raise TypeError(f"{section}.{k}: a list default cannot be a dataclass field default")
+                ann[k] = spec.type.__name__
+                setattr(cls, k, spec.default)
+        cls.__annotations__ = ann
+        return cls
+    return add
 
 
 def _err(path: Path | str, key: str, msg: str) -> ConfigError:

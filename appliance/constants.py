@@ -15,6 +15,18 @@ AGGREGATED_PORT_BASE = 8300  # both-N (1-GPU box: one non-disaggregated worker)
 PROXY_PORT = 9000           # the only port not bound to loopback by default
 PROXY_INTERNAL_PORT = 9001  # proxy's loopback-only side door: LMCache request telemetry, admin
 LOOPBACK = "127.0.0.1"
+ALL_INTERFACES = "0.0.0.0"  # the public port's default bind address (config [proxy] host)
+
+
+def loopback_url(port: int, path: str = "") -> str:
+    """``http://127.0.0.1:PORT`` + ``path``: how pdctl reaches anything it runs on this box."""
+    return f"http://{LOOPBACK}:{port}{path}"
+
+
+def loopback_zmq(port: int | None = None) -> str:
+    """``tcp://127.0.0.1`` (+ ``:PORT``): the KV server's ZMQ address as LMCache and the twin take it."""
+    return f"tcp://{LOOPBACK}" + (f":{port}" if port is not None else "")
+
 
 # --- paths -----------------------------------------------------------------------------------------
 ETC_DIR = Path("/etc/pdctl")
@@ -22,10 +34,12 @@ CONFIG_PATH = ETC_DIR / "pdctl.toml"
 WORKER_ENV_DIR = ETC_DIR / "workers"
 SECRETS_ENV = ETC_DIR / "secrets.env"
 SYSTEMD_DIR = Path("/etc/systemd/system")
+SYSTEMD_REL = str(SYSTEMD_DIR).lstrip("/")        # the same below an install root (rendered file keys)
 STATE_DIR = Path("/var/lib/pdctl")
 RUN_DIR = Path("/run/pdctl")
 VENV_DIR = Path("/opt/pdctl")
-MODEL_CACHE_DIR = Path("/var/cache/pdctl/hub")   # `pdctl model fetch`: huggingface_hub cache layout
+CACHE_DIR = Path("/var/cache/pdctl")             # the units' CacheDirectory
+MODEL_CACHE_DIR = CACHE_DIR / "hub"             # `pdctl model fetch`: huggingface_hub cache layout
 SERVICE_USER = "pdctl"
 
 # --- unit names ------------------------------------------------------------------------------------
@@ -45,6 +59,9 @@ def worker_unit(instance: str) -> str:
 LMCACHE_CHUNK_TOKENS = 256            # LMCache MP default chunk size; only whole chunks are stored
 TELEMETRY_PATH = "/api/v1/telemetry"  # where LMCache's FastAPI request telemetry POSTs store events
 TELEMETRY_EVENT_STORE_FINISHED = "request_store_finished"
+ENV_TELEMETRY_TYPE = "LMCACHE_REQUEST_TELEMETRY_TYPE"          # TELEMETRY_TYPE_FASTAPI turns telemetry on
+TELEMETRY_TYPE_FASTAPI = "fastapi"
+ENV_TELEMETRY_ENDPOINT = "LMCACHE_REQUEST_TELEMETRY_ENDPOINT"  # URL the store events are POSTed to
 
 # --- vLLM metric names (as exposed, with prometheus_client's _total suffix for counters) -----------
 VLLM_RUNNING = "vllm:num_requests_running"
@@ -92,8 +109,6 @@ LMC_CHUNKS_LOADED = "lmcache_mp_num_chunks_loaded"
 # --- the twin ----------------------------------------------------------------------------------------
 TWIN_STATE_DIR = RUN_DIR / "twin"        # twin engines write gpu-<index>.json here (twin GPU samples)
 TWIN_ADMIN_PATH = "/twin/fault"          # fault injection on a twin engine (loopback clients only)
-ENV_TELEMETRY_TYPE = "LMCACHE_REQUEST_TELEMETRY_TYPE"          # "fastapi" turns telemetry on
-ENV_TELEMETRY_ENDPOINT = "LMCACHE_REQUEST_TELEMETRY_ENDPOINT"  # URL the store events are POSTed to
 
 # --- pdctl proxy metric names ----------------------------------------------------------------------
 PROXY_TTFT = "pdctl_proxy_ttft_seconds"

@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from .config import default as _d
+
 AGGREGATE = "aggregate"
 SPLIT = "split"
 
@@ -54,11 +56,12 @@ PREFILL_ROLES = ("prefill", "both")
 
 @dataclass(frozen=True)
 class Thresholds:
-    """The adaptive policy's knobs (config keys ``[proxy] aggregate_max_uncached`` and friends)."""
-    aggregate_max_uncached: int = 4096      # tokens; see benchmarks/decision_thresholds.py
-    split_max_prefill_backlog: int = 65536  # tokens queued for prefill on the chosen prefiller, this one included
-    split_idle_max_running: int = 0         # a both-worker takes P legs only while decoding at most this many
-    consumer_max_uncached: int = 512        # a decode-only worker aggregates at most this many uncached tokens
+    """The adaptive policy's knobs (config keys ``[proxy] aggregate_max_uncached`` and friends; defaults from the
+    config schema)."""
+    aggregate_max_uncached: int = _d("proxy", "aggregate_max_uncached")  # tokens; benchmarks/decision_thresholds.py
+    split_max_prefill_backlog: int = _d("proxy", "split_max_prefill_backlog")  # queued on the chosen prefiller
+    split_idle_max_running: int = _d("proxy", "split_idle_max_running")  # a both-worker takes P legs only then
+    consumer_max_uncached: int = _d("proxy", "consumer_max_uncached")    # a decode-only worker aggregates at most
 
 
 @dataclass(frozen=True)

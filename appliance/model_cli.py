@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 from . import constants as C
-
-EXIT_OK, EXIT_FAIL, EXIT_BAD = 0, 1, 2
+from .errors import EXIT_BAD, EXIT_FAIL, EXIT_OK
 
 
 def _settings(args: argparse.Namespace):

@@ -25,6 +25,7 @@ from urllib.parse import quote
 
 from . import constants as C
 from .hub_report import TOKEN_KEY, ModelFetchError, Null, bar_class, scrubbed
+from .config import default as _d
 
 MARKER_DIR = ".pdctl-verified"     # <cache>/models--org--name/.pdctl-verified/<revision>.json
 SPACE_MARGIN = 16 * 1024**2        # headroom on top of the missing bytes (locks, refs, metadata; or 1 %)
@@ -117,7 +118,8 @@ def _marker(storage: Path, revision: str) -> Path:
     return storage / MARKER_DIR / (quote(revision, safe="") + ".json")
 
 
-def local_snapshot(repo_id: str, revision: str = "main", cache_dir: str | Path = C.MODEL_CACHE_DIR) -> Path | None:
+def local_snapshot(repo_id: str, revision: str = _d("model", "revision"),
+                   cache_dir: str | Path = C.MODEL_CACHE_DIR) -> Path | None:
     """The verified snapshot of ``repo_id@revision`` in the cache, or None; no network.
 
     Only a snapshot whose marker exists and whose files are all present at their verified sizes counts:
@@ -142,7 +144,7 @@ def worker_env_for_snapshot() -> dict:
 
 
 # --- probe: what the planner needs before the download ----------------------------------------------
-def fetch_config(repo_id: str, dest: str | Path, *, revision: str = "main", token: str | None = None,
+def fetch_config(repo_id: str, dest: str | Path, *, revision: str = _d("model", "revision"), token: str | None = None,
                  endpoint: str | None = None) -> int:
     """``config.json`` of ``repo_id`` into the directory ``dest`` (kilobytes), and the repo's total bytes.
 
@@ -165,7 +167,7 @@ def fetch_config(repo_id: str, dest: str | Path, *, revision: str = "main", toke
 
 
 # --- fetch ------------------------------------------------------------------------------------------
-def fetch(repo_id: str, *, revision: str = "main", cache_dir: str | Path = C.MODEL_CACHE_DIR,
+def fetch(repo_id: str, *, revision: str = _d("model", "revision"), cache_dir: str | Path = C.MODEL_CACHE_DIR,
           token: str | None = None, progress: bool = True, out=sys.stderr, endpoint: str | None = None) -> FetchResult:
     """Download ``repo_id@revision`` into ``cache_dir`` (huggingface_hub layout), verify it, mark it complete.
 

@@ -32,16 +32,16 @@ YML_NAME, DASHBOARD_NAME = "prometheus/pdctl.yml", "grafana/pdctl-dashboard.json
 def scrape_config(plan: Any) -> dict:
     """prometheus.yml ``scrape_configs`` for one box: the proxy, every worker (labelled with its instance
     and role), the KV server."""
-    workers = [{"targets": [f"127.0.0.1:{w.port}"], "labels": {"worker": w.instance, "role": w.role}}
+    workers = [{"targets": [f"{C.LOOPBACK}:{w.port}"], "labels": {"worker": w.instance, "role": w.role}}
                for w in plan.workers]
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
         "scrape_configs": [
             {"job_name": JOB_PROXY, "metrics_path": "/metrics",
-             "static_configs": [{"targets": [f"127.0.0.1:{plan.proxy.internal_port}"]}]},   # loopback side door: no API key
+             "static_configs": [{"targets": [f"{C.LOOPBACK}:{plan.proxy.internal_port}"]}]},   # side door: no API key
             {"job_name": JOB_ENGINES, "metrics_path": "/metrics", "static_configs": workers},
             {"job_name": JOB_KV, "metrics_path": "/metrics",
-             "static_configs": [{"targets": [f"127.0.0.1:{plan.kv_server.http_port}"]}]},
+             "static_configs": [{"targets": [f"{C.LOOPBACK}:{plan.kv_server.http_port}"]}]},
         ],
     }
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .config import default as _d
+from . import constants as C
+from .config import default as _d, schema_fields
 
 # Proxy settings that travel from pdctl.toml through plan.json into the running proxy unchanged, under the
 # same names in ProxyPlan and proxy.config.ProxyConfig (section in pdctl.toml -> keys).
@@ -17,6 +18,11 @@ PROXY_TUNING = {
     "listener": ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s",
                  "max_connections", "max_header_bytes", "max_body_bytes"),
 }
+
+# the [proxy] keys ProxyPlan carries besides PROXY_TUNING (from_json fills absent ones from the schema)
+_PROXY_PLAN_KEYS = ("kv_wait_s", "aggregate_max_uncached", "split_max_prefill_backlog", "split_idle_max_running",
+                    "consumer_max_uncached", "pd_min_prompt_tokens", "api_key_file", "public_status")
+LEGACY_POLICY = "pdctl"   # a plan.json without "policy" predates the adaptive policy: it ran pdctl's rule
 
 
 @dataclass(frozen=True)
@@ -33,10 +39,9 @@ class WorkerPlan:
 
     @property
     def unit(self) -> str:
-        from .constants import worker_unit
-        return worker_unit(self.instance)
+        return C.worker_unit(self.instance)
 
-    def url(self, host: str = "127.0.0.1") -> str:
+    def url(self, host: str = C.LOOPBACK) -> str:
         return f"http://{host}:{self.port}"
 
 
@@ -55,43 +60,30 @@ class KVServerPlan:
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return C.loopback_url(self.http_port)
 
 
 @dataclass(frozen=True)
+@schema_fields(PROXY_TUNING)
 class ProxyPlan:
     host: str
     port: int
     internal_port: int        # loopback-only: LMCache request telemetry + admin
-    policy: str = "adaptive"
-    kv_wait_s: float = 2.0    # bounded wait for request_store_finished before the D leg goes anyway
-    pd_min_prompt_tokens: int = 512  # shorter prompts skip the P leg (nothing a prefiller can store)
-    api_key_file: str = ""    # clients must send this key as Bearer on the public port ("" = no key)
-    public_status: bool = False  # serve /pdctl/status on the public port (needs the API key; fleet front nodes)
-    aggregate_max_uncached: int = 4096      # adaptive policy thresholds (appliance/decide.py: Thresholds)
-    split_max_prefill_backlog: int = 65536
-    split_idle_max_running: int = 0
-    consumer_max_uncached: int = 512
-    # reliability and the public listener (PROXY_TUNING; defaults from the config schema)
-    on_prefill_failure: str = _d("proxy", "on_prefill_failure")
-    max_migrations: int = _d("proxy", "max_migrations")
-    migration_deadline_s: float = _d("proxy", "migration_deadline_s")
-    stall_factor: float = _d("proxy", "stall_factor")
-    stall_floor_s: float = _d("proxy", "stall_floor_s")
-    drain_timeout_s: float = _d("proxy", "drain_timeout_s")
-    watchdog_s: float = _d("proxy", "watchdog_s")
-    header_timeout_s: float = _d("listener", "header_timeout_s")
-    body_timeout_s: float = _d("listener", "body_timeout_s")
-    keepalive_timeout_s: float = _d("listener", "keepalive_timeout_s")
-    send_timeout_s: float = _d("listener", "send_timeout_s")
-    max_connections: int = _d("listener", "max_connections")
-    max_header_bytes: int = _d("listener", "max_header_bytes")
-    max_body_bytes: int = _d("listener", "max_body_bytes")
+    # defaults from the config schema ([proxy] in pdctl.toml)
+    policy: str = _d("proxy", "policy")
+    kv_wait_s: float = _d("proxy", "kv_wait_s")      # bounded wait for request_store_finished before the D leg
+    pd_min_prompt_tokens: int = _d("proxy", "pd_min_prompt_tokens")  # shorter prompts skip the P leg
+    api_key_file: str = _d("proxy", "api_key_file")  # clients must send this key as Bearer on the public port
+    public_status: bool = _d("proxy", "public_status")  # /pdctl/status on the public port (fleet front nodes)
+    aggregate_max_uncached: int = _d("proxy", "aggregate_max_uncached")   # adaptive policy (decide.Thresholds)
+    split_max_prefill_backlog: int = _d("proxy", "split_max_prefill_backlog")
+    split_idle_max_running: int = _d("proxy", "split_idle_max_running")
+    consumer_max_uncached: int = _d("proxy", "consumer_max_uncached")
+    # + reliability and the public listener: one field per PROXY_TUNING key (schema_fields)
 
     @property
     def telemetry_url(self) -> str:
-        from .constants import TELEMETRY_PATH
-        return f"http://127.0.0.1:{self.internal_port}{TELEMETRY_PATH}"
+        return C.loopback_url(self.internal_port, C.TELEMETRY_PATH)
 
 
 @dataclass(frozen=True)
@@ -137,13 +129,8 @@ class Plan:
                           watchdog_s=float(k.get("watchdog_s", _d("kv_server", "watchdog_s"))))
         p = d["proxy"]
         px = ProxyPlan(host=p["host"], port=int(p["port"]), internal_port=int(p["internal_port"]),
-                       policy=p.get("policy", "pdctl"), kv_wait_s=float(p.get("kv_wait_s", 2.0)),
-                       aggregate_max_uncached=int(p.get("aggregate_max_uncached", 4096)),
-                       split_max_prefill_backlog=int(p.get("split_max_prefill_backlog", 65536)),
-                       split_idle_max_running=int(p.get("split_idle_max_running", 0)),
-                       consumer_max_uncached=int(p.get("consumer_max_uncached", 512)),
-                       pd_min_prompt_tokens=int(p.get("pd_min_prompt_tokens", 512)),
-                       api_key_file=str(p.get("api_key_file", "")), public_status=bool(p.get("public_status", False)),
+                       policy=p.get("policy", LEGACY_POLICY),
+                       **{k: type(_d("proxy", k))(p.get(k, _d("proxy", k))) for k in _PROXY_PLAN_KEYS},
                        **{k: type(_d(sec, k))(p.get(k, _d(sec, k))) for sec, keys in PROXY_TUNING.items()
                           for k in keys})
         return cls(mode=d["mode"], engine=d["engine"], engine_version=d.get("engine_version", ""),

@@ -12,8 +12,9 @@ from . import constants as C
 from .engine_flags import DEFAULT_CPU_VERSION, DEFAULT_GPU_VERSION, flags_for
 from .inventory import GPU, Inventory
 from .models import ModelProfile
-from .config import default as _d
+from .config import SCHEMA, default as _d, schema_fields
 from .decide import Thresholds
+from .kv_plan import server_plan
 from .plan import KVServerPlan, Plan, ProxyPlan, WorkerPlan
 
 GiB = 1024**3
@@ -25,62 +26,57 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
+@schema_fields({"workload": tuple(SCHEMA["workload"])})
 class Workload:
-    """Traffic the plan is sized for (default: the seed's P50 profile), and the SLOs it must hold."""
-    input_len: int = 7869
-    prefix_len: int = 6000
-    output_len: int = 252
-    max_model_len: int = 20000      # the seed's setting; covers its P95 prompts
-    ttft_slo_s: float = 2.0         # TTFT p95 objective
-    tpot_slo_ms: float = 80.0       # TPOT p95 objective
-    cold_share: float = 0.0         # share of requests that are long and cold (nothing shared), e.g. 0.5
-    cold_input_len: int = 15840     # the seed's P95 prompt length
-    cold_output_len: int = 561
+    """Traffic the plan is sized for (default: the seed's P50 profile), and the SLOs it must hold: one field per
+    key of [workload] in pdctl.toml (input_len, prefix_len, output_len, max_model_len, ttft_slo_s, tpot_slo_ms,
+    cold_share, cold_input_len, cold_output_len), defaults from the config schema."""
 
 
 @dataclass(frozen=True)
 class Overrides:
-    prefill: int = 0               # 0 (with decode and both 0) = decide
-    decode: int = 0
-    both: int = 0                  # kv_both workers (soft roles: any leg, or a whole request)
-    tp: int = 0
+    # defaults from the config schema (plan_settings.planner_inputs maps every key)
+    prefill: int = _d("plan", "prefill")      # 0 (with decode and both 0) = decide
+    decode: int = _d("plan", "decode")
+    both: int = _d("plan", "both")            # kv_both workers (soft roles: any leg, or a whole request)
+    tp: int = _d("plan", "tp")
     gpus: tuple = ()               # restrict to these NVML indices
-    engine: str = "vllm"           # "vllm" | "vllm-cpu" | "twin"
-    engine_version: str = ""       # "" = the default for the engine kind
-    gpu_memory_utilization: float = 0.85
-    block_size: int = 64
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 32768
-    l1_size_gb: float = 0.0        # 0 = from host RAM
-    kv_cache_bytes_cpu: int = 256 * 1024**2   # CPU engines: explicit KV size (else vLLM takes 92 % of RAM)
-    served_model_name: str = ""
-    venv: str = str(C.VENV_DIR)              # where pdctl (and the twin) is installed
-    engine_venv: str = str(C.VENV_DIR)       # where vllm + lmcache are installed
-    proxy_host: str = "0.0.0.0"
-    proxy_port: int = C.PROXY_PORT
-    proxy_internal_port: int = C.PROXY_INTERNAL_PORT
-    kv_zmq_port: int = C.KV_ZMQ_PORT
-    kv_http_port: int = C.KV_HTTP_PORT
-    prefill_port_base: int = C.PREFILL_PORT_BASE
-    decode_port_base: int = C.DECODE_PORT_BASE
-    both_port_base: int = C.AGGREGATED_PORT_BASE
+    engine: str = _d("install", "engine")     # "vllm" | "vllm-cpu" | "twin"
+    engine_version: str = _d("install", "engine_version")   # "" = the default for the engine kind
+    gpu_memory_utilization: float = _d("plan", "gpu_memory_utilization")
+    block_size: int = _d("plan", "block_size")
+    max_num_seqs: int = _d("plan", "max_num_seqs")
+    max_num_batched_tokens: int = _d("plan", "max_num_batched_tokens")
+    l1_size_gb: float = _d("kv_server", "l1_size_gb")          # 0 = from host RAM
+    kv_cache_bytes_cpu: int = _d("plan", "kv_cache_bytes_cpu")  # CPU engines (else vLLM takes 92 % of RAM)
+    served_model_name: str = _d("plan", "served_model_name")
+    venv: str = _d("install", "venv")                  # where pdctl (and the twin) is installed
+    engine_venv: str = _d("install", "engine_venv")    # where vllm + lmcache are installed
+    proxy_host: str = _d("proxy", "host")
+    proxy_port: int = _d("ports", "proxy")
+    proxy_internal_port: int = _d("ports", "proxy_internal")
+    kv_zmq_port: int = _d("ports", "kv_zmq")
+    kv_http_port: int = _d("ports", "kv_http")
+    prefill_port_base: int = _d("ports", "prefill_base")
+    decode_port_base: int = _d("ports", "decode_base")
+    both_port_base: int = _d("ports", "both_base")
     choose_family: bool = True     # no counts given: rank the families on the twin (False: the fixed rule)
     thresholds: Thresholds = Thresholds()   # the adaptive policy's (config [proxy]); the ranking uses them too
-    policy: str = "adaptive"
-    heartbeat_s: float = 2.0
+    policy: str = _d("proxy", "policy")
+    heartbeat_s: float = _d("kv_server", "heartbeat_s")
     worker_reap_timeout_s: float = _d("kv_server", "worker_reap_timeout_s")   # lmcache server; 0 = never
     mq_timeout_s: float = 60.0
-    kv_server: str = ""            # "" = real lmcache for vllm engines, twin for twin engines
+    kv_server: str = _d("kv_server", "kind")  # "" = real lmcache for vllm engines, twin for twin engines
     twin_hardware: str = ""        # hardware profile for twin engines ("" = from the GPU name)
     run_dir: str = str(C.RUN_DIR)  # twin engines write their GPU samples under <run_dir>/twin
     twin_time_scale: float = 1.0   # twin engines: >1 runs the simulated clock faster (demo, tests)
-    kv_connector: bool = True      # False: no --kv-transfer-config (decoders re-prefill; comparisons only)
+    kv_connector: bool = _d("plan", "kv_connector")  # False: no --kv-transfer-config (decoders re-prefill)
     extra_engine_args: tuple = ()  # appended to every vLLM worker's argv (e.g. --load-format dummy)
-    tool_call_parser: str = ""     # "" = the model registry's; "none" = off (worker_argv.tool_parser)
-    strict_tool_calls: bool = True     # False: VLLM_ENFORCE_STRICT_TOOL_CALLING=0
-    structured_outputs_backend: str = ""   # "" = the engine's default
-    structured_outputs_compact: bool = False   # disable_any_whitespace (xgrammar / guidance)
-    responses_store: bool = False  # VLLM_ENABLE_RESPONSES_API_STORE=1 (engine-held Responses API state)
+    tool_call_parser: str = _d("plan", "tool_call_parser")  # "" = the registry's; "none" = off (worker_argv)
+    strict_tool_calls: bool = _d("plan", "strict_tool_calls")   # False: VLLM_ENFORCE_STRICT_TOOL_CALLING=0
+    structured_outputs_backend: str = _d("plan", "structured_outputs_backend")   # "" = the engine's default
+    structured_outputs_compact: bool = _d("plan", "structured_outputs_compact")  # disable_any_whitespace
+    responses_store: bool = _d("plan", "responses_store")  # VLLM_ENABLE_RESPONSES_API_STORE=1 (engine-held)
 
 
 # --- memory rules ------------------------------------------------------------------------------------
@@ -209,46 +205,7 @@ def _kv_plan(inv: Inventory, n_workers: int, gpu_workers: int, ov: Overrides, re
         if l1 < 1:
             raise PlanError(f"host RAM {inv.host_ram_bytes / GiB:.0f} GiB leaves no room for the LMCache L1 "
                             f"after the reserve for {n_workers} engines; add RAM or pass --l1-size-gb N")
-    restart = max(5.0, 2.5 * ov.heartbeat_s)
-    if kind == "twin":
-        argv = (worker_argv.bin_path(ov.venv, "pdctl"), "twin", "kvserver", "--host", C.LOOPBACK, "--port", str(ov.kv_zmq_port),
-                "--http-port", str(ov.kv_http_port), "--l1-size-gb", f"{l1:g}")
-        env = {"PYTHONUNBUFFERED": "1"}
-    else:
-        argv = [worker_argv.bin_path(ov.engine_venv, "lmcache"), "server", "--host", C.LOOPBACK, "--port", str(ov.kv_zmq_port),
-                "--http-host", C.LOOPBACK, "--http-port", str(ov.kv_http_port), "--l1-size-gb", f"{l1:g}",
-                "--eviction-policy", "LRU", "--chunk-size", str(C.LMCACHE_CHUNK_TOKENS),
-                "--max-workers", str(max(1, n_workers)), "--max-gpu-workers", str(max(1, gpu_workers))]
-        if cpu_engine:
-            argv += ["--supported-transfer-mode", "auto"]
-        argv += _reap_args(ov, reasons)
-        argv = tuple(argv)
-        env = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "PYTHONUNBUFFERED": "1"}
-    reasons.append(f"KV server restarts after {restart:g} s (> 2 x the workers' {ov.heartbeat_s:g} s heartbeat, so "
-                   "workers notice the restart and re-register: LMCache issue 4642)")
-    return KVServerPlan(kind=kind, zmq_port=ov.kv_zmq_port, http_port=ov.kv_http_port, l1_size_gb=float(l1),
-                        argv=argv, env=env, max_workers=max(1, n_workers), heartbeat_s=ov.heartbeat_s,
-                        restart_sec=restart)
-
-
-REGISTRATION_GRACE_S = 3600.0   # LMCache's own default: covers a worker's load between registering and serving
-
-
-def _reap_args(ov: Overrides, reasons: list[str]) -> list[str]:
-    """``lmcache server`` reaping: a worker silent for the reap timeout is unregistered. A live worker pings
-    every heartbeat (so never), but only after its first store/retrieve; before that LMCache judges it by the
-    registration grace, which must cover loading and is never below the reap timeout (else LMCache refuses
-    to start). The proxy's KV warm-up (proxy/warmup.py) starts every worker's heartbeat once it is healthy."""
-    reap = ov.worker_reap_timeout_s
-    if reap <= 0:
-        reasons.append("LMCache never reaps silent workers (worker_reap_timeout_s = 0): a crashed worker's "
-                       "registration stays until the KV server restarts")
-        return ["--worker-reap-timeout-seconds", "0"]
-    grace = max(REGISTRATION_GRACE_S, reap)
-    reasons.append(f"LMCache reaps a worker silent for {reap:g} s ({reap / ov.heartbeat_s:.0f} heartbeats of "
-                   f"{ov.heartbeat_s:g} s) and one that never pinged after {grace:g} s; the proxy warms every "
-                   "worker once it is healthy, which starts its heartbeat (LMCache issues 4715, 4795)")
-    return ["--worker-reap-timeout-seconds", f"{reap:g}", "--worker-registration-grace-seconds", f"{grace:g}"]
+    return server_plan(kind, float(l1), n_workers, gpu_workers, ov, reasons, cpu_engine)
 
 
 def _check_ports(ov: Overrides, n_prefill: int, n_decode: int, n_both: int = 0) -> None:

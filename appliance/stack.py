@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import constants as C
+from .config import default as _d
 from .inventory import detect
 from .localproc import wait_http
 from .models import resolve as resolve_model
@@ -33,7 +35,7 @@ def free_port_run(count: int, start: int = 20000, stop: int = 60000) -> int:
         for p in range(base, base + count):
             with socket.socket() as s:
                 try:
-                    s.bind(("127.0.0.1", p))
+                    s.bind((C.LOOPBACK, p))
                 except OSError:
                     ok = False
                     break
@@ -43,7 +45,8 @@ def free_port_run(count: int, start: int = 20000, stop: int = 60000) -> int:
     raise RuntimeError(f"no run of {count} free loopback ports found")
 
 
-def twin_plan(gpus: str, model: str, workdir: Path, prefill: int = 0, decode: int = 0, policy: str = "adaptive",
+def twin_plan(gpus: str, model: str, workdir: Path, prefill: int = 0, decode: int = 0,
+              policy: str = _d("proxy", "policy"),
               time_scale: float = 1.0, kv_server: str = "twin", engine_venv: str = "") -> Plan:
     """Plan a twin stack whose every port is free on this host and whose files live under ``workdir``."""
     inv = detect(gpus)
@@ -52,7 +55,7 @@ def twin_plan(gpus: str, model: str, workdir: Path, prefill: int = 0, decode: in
     ov = Overrides(engine="twin", prefill=prefill, decode=decode, venv=sys.prefix, engine_venv=engine_venv or sys.prefix,
                    kv_zmq_port=base, kv_http_port=base + 1, proxy_port=base + 2, proxy_internal_port=base + 3,
                    prefill_port_base=base + 4, decode_port_base=base + 4 + n, both_port_base=base + 4 + 2 * n,
-                   proxy_host="127.0.0.1",
+                   proxy_host=C.LOOPBACK,
                    policy=policy, run_dir=str(workdir / "run"), l1_size_gb=4.0 if kv_server == "twin" else 0.5,
                    twin_time_scale=time_scale, kv_server=kv_server)
     return make_plan(inv, resolve_model(model), Workload(), ov)
@@ -67,7 +70,7 @@ class Stack:
 
     @property
     def proxy_url(self) -> str:
-        return f"http://127.0.0.1:{self.plan.proxy.port}"
+        return C.loopback_url(self.plan.proxy.port)
 
     @property
     def config_path(self) -> Path:
@@ -96,7 +99,8 @@ class Stack:
             self.wait_http(f"{w.url()}/health", ready_timeout, w.instance)
         p = self.plan.proxy
         self._spawn("proxy", [sys.executable, "-m", "appliance", "proxy", "--config", str(self.config_path),
-                              "--listen", f"127.0.0.1:{p.port}", "--internal", f"127.0.0.1:{p.internal_port}"], {})
+                              "--listen", f"{C.LOOPBACK}:{p.port}",
+                              "--internal", f"{C.LOOPBACK}:{p.internal_port}"], {})
         self.wait_http(f"{self.proxy_url}/ready", ready_timeout, "proxy /ready")
         return self
 
@@ -145,7 +149,7 @@ class Stack:
         self.stop()
 
 
-def start_twin_stack(gpus: str = "fake:4xH200", model: str = "deepseek-v2-lite", workdir: Path | None = None,
+def start_twin_stack(gpus: str = "fake:4xH200", model: str = _d("install", "model"), workdir: Path | None = None,
                      **kw) -> Stack:
     wd = Path(workdir or tempfile.mkdtemp(prefix="pdctl-stack-"))
     plan = twin_plan(gpus, model, wd, **kw)

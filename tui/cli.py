@@ -12,19 +12,31 @@ from typing import Any
 
 from appliance import constants as C
 from appliance.collector import cli as V
+from appliance.errors import EXIT_BAD, EXIT_FAIL, EXIT_OK, CliError
 
-EXIT_OK, EXIT_FAIL, EXIT_BAD = 0, 1, 2
+
+def _app_class():
+    """tui.app's PdctlApp, or a CliError that names the missing package (textual) instead of a traceback."""
+    try:
+        from tui.app import PdctlApp
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("textual", "rich"):
+            raise
+        raise CliError(f"the dashboard needs the {exc.name.split('.')[0]} package, which this Python lacks "
+                       f"({sys.executable}); reinstall pdctl with its dependencies. `pdctl status` shows the same "
+                       "numbers as text", EXIT_FAIL) from None
+    return PdctlApp
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
     from appliance.fleet.plan import FleetError
-    from tui.app import PdctlApp
-    refresh = args.refresh or V._settings_value(args.config, "tui", "refresh_s") or 1.0
+    PdctlApp = _app_class()
+    refresh = args.refresh or V.settings_value(args.config, "tui", "refresh_s") or 1.0
     if refresh <= 0:
         print(f"pdctl tui: --refresh must be > 0 (got {refresh})", file=sys.stderr)
         return EXIT_BAD
     try:
-        front = V._front_node(args.config)
+        front = V.front_node(args.config)
     except FleetError as exc:
         print(f"pdctl tui: {exc}", file=sys.stderr)
         return EXIT_BAD
@@ -32,16 +44,17 @@ def cmd_tui(args: argparse.Namespace) -> int:
     if front is not None:         # HTTP on the watch's own thread, never the UI's
         from appliance.fleet.watch import FleetWatch
         fleet = FleetWatch(front[0], api_key=front[1]).start()
-    has_plan = V._has_plan(args.config)
+    has_plan = V.box_plan_here(args.config)
     collector = None
     try:
         if fleet is not None and not has_plan:     # a pure front node: the fleet is the dashboard
             app = PdctlApp(None, refresh=refresh, fleet=fleet)
         else:
             from appliance.collector import Collector
-            plan = V._plan(args.config)
-            slo = V._settings_value(args.config, "workload", "ttft_slo_s")
-            tpot_ms = V._settings_value(args.config, "workload", "tpot_slo_ms")
+            from appliance.config import load_plan
+            plan = load_plan(args.config)
+            slo = V.settings_value(args.config, "workload", "ttft_slo_s")
+            tpot_ms = V.settings_value(args.config, "workload", "tpot_slo_ms")
             collector = Collector(plan, interval=refresh, slo_ttft_s=slo,
                                   slo_tpot_s=tpot_ms / 1000.0 if tpot_ms else None).start()
             app = PdctlApp(collector, refresh=refresh, instances=[w.instance for w in plan.workers], fleet=fleet)
@@ -86,7 +99,7 @@ def demo_app(stack, refresh: float):
     from appliance.collector.gpus import twin_sampler
     from appliance.collector.units import NoUnits
     from appliance.inventory import detect
-    from tui.app import PdctlApp
+    PdctlApp = _app_class()
     plan = stack.plan
     sampler = twin_sampler(state_dir=stack.workdir / "run" / "twin", inventory=detect(plan.inventory_source))
     collector = Collector(plan, gpu_sampler=sampler, interval=refresh,
@@ -115,7 +128,7 @@ def run_demo_tui(stack, refresh: float) -> int:
         app.run()
     finally:
         collector.stop()
-    return 0
+    return EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -14,11 +14,13 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from appliance import constants as C
+from appliance.config import default as _d
 from appliance.wire.fetch import fetch
 
 from . import BenchError
 
-DEFAULT_URL = "http://127.0.0.1:9000"
+DEFAULT_URL = C.loopback_url(C.PROXY_PORT)
 
 
 def parse_rates(text: str) -> list[float]:
@@ -269,8 +271,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     w = actions.add_parser("what-if", help="predict every P/D split of the GPUs on the twin simulator",
                            description="Simulate each prefill/decode split of the (detected or fake) GPUs and mark "
                                        "the one that holds the highest rate under the TTFT p95 SLO.")
-    w.add_argument("--gpus", default="nvml", help="nvml | fake:3xA100-80GB | FILE.json (default %(default)s)")
-    w.add_argument("--model", dest="wi_model", default="deepseek-v2-lite", help="registry name (pdctl plan "
+    w.add_argument("--gpus", default=_d("install", "gpus"),
+                   help="nvml | fake:3xA100-80GB | FILE.json (default %(default)s)")
+    w.add_argument("--model", dest="wi_model", default=_d("install", "model"), help="registry name (pdctl plan "
                                                                                 "--list-models)")
     w.add_argument("--tp", dest="wi_tp", type=int, default=1)
     w.add_argument("--policy", dest="wi_policy", choices=("pdctl", "round-robin"), default="pdctl")

@@ -1,4 +1,5 @@
-"""``pdctl status`` and ``pdctl logs``: the operator's views of one installed box (``pdctl tui`` lives in tui/)."""
+"""``pdctl status`` and ``pdctl logs``: the operator's views of one installed box. ``pdctl tui`` lives in tui/ and
+reads the settings, plan and fleet through the helpers here (settings_value, front_node, box_plan_here)."""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +8,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from appliance import constants as C
+from appliance.errors import EXIT_BAD, EXIT_FAIL, EXIT_OK
 
-EXIT_OK, EXIT_FAIL, EXIT_BAD = 0, 1, 2
 
-
-def _settings_value(config: Path, section: str, key: str) -> Optional[Any]:
+def settings_value(config: Path, section: str, key: str) -> Optional[Any]:
     """A value from pdctl.toml when that file exists (the TUI refresh and TTFT SLO live there)."""
     if config.suffix != ".toml" or not config.exists():
         return None
@@ -27,7 +27,7 @@ def _plan(config: Path) -> Any:
     return load_plan(config)
 
 
-def _front_node(config: Path):
+def front_node(config: Path):
     """On a fleet front node (a fleet plan next to the settings): (FleetPlan, API key or None); else None.
     Raises FleetError for a fleet plan that does not load."""
     fleet_file = Path(config).parent / C.FLEET_PLAN.name
@@ -35,7 +35,7 @@ def _front_node(config: Path):
         return None
     from appliance.fleet.install import load_fleet
     key = None
-    key_file = _settings_value(config, "proxy", "api_key_file")
+    key_file = settings_value(config, "proxy", "api_key_file")
     if key_file:
         try:
             key = Path(key_file).read_text().strip()
@@ -45,7 +45,7 @@ def _front_node(config: Path):
     return load_fleet(fleet_file), key
 
 
-def _has_plan(config: Path) -> bool:
+def box_plan_here(config: Path) -> bool:
     """A box plan beside the settings (or the settings are a plan): not a pure front node."""
     return Path(config).with_name("plan.json").exists() or Path(config).suffix == ".json"
 
@@ -55,7 +55,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from appliance.status import render_json, render_text
     from appliance.fleet.plan import FleetError
     try:
-        front = _front_node(args.config)
+        front = front_node(args.config)
     except FleetError as exc:
         print(f"pdctl status: {exc}", file=sys.stderr)
         return EXIT_BAD
@@ -63,15 +63,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     if front is not None:
         from appliance.fleet.status import collect
         fleet = collect(front[0], api_key=front[1], timeout=max(args.timeout, 1.0))
-    has_plan = _has_plan(args.config)
+    has_plan = box_plan_here(args.config)
     if fleet is not None and not has_plan:     # a pure front node: only the fleet
         from appliance.fleet.status import render_text as fleet_text
         import json as _json
         sys.stdout.write(_json.dumps(fleet.to_json(), indent=2) + "\n" if args.json else fleet_text(fleet))
         return EXIT_OK if all(b.ready == "ready" for b in fleet.boxes) else EXIT_FAIL
     plan = _plan(args.config)
-    slo = _settings_value(args.config, "workload", "ttft_slo_s")
-    tpot_ms = _settings_value(args.config, "workload", "tpot_slo_ms")
+    slo = settings_value(args.config, "workload", "ttft_slo_s")
+    tpot_ms = settings_value(args.config, "workload", "tpot_slo_ms")
     snap = collect_once(plan, settle_s=max(0.0, args.window), slo_ttft_s=slo, timeout_s=args.timeout,
                         slo_tpot_s=tpot_ms / 1000.0 if tpot_ms else None)
     sys.stdout.write(render_json(snap) + "\n" if args.json else render_text(snap))

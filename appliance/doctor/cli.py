@@ -6,8 +6,7 @@ import sys
 from pathlib import Path
 
 from appliance import constants as C
-
-EXIT_OK, EXIT_FAIL = 0, 1
+from appliance.errors import EXIT_FAIL, EXIT_OK
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

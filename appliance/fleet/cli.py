@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 from .. import constants as C
+from ..errors import EXIT_BAD, EXIT_FAIL, EXIT_OK
+from ..config import default as _d
 from .plan import DEFAULT_POLICY, POLICIES, FleetError, make_fleet_plan
-
-EXIT_OK, EXIT_FAIL, EXIT_BAD = 0, 1, 2
 
 
 def _fleet_from_args(args: argparse.Namespace):
@@ -183,7 +183,7 @@ def register(subparsers) -> None:
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--hardware", default="a100-80gb")
-    p.add_argument("--model", default="deepseek-v2-lite")
+    p.add_argument("--model", default=_d("install", "model"))
     p.add_argument("--num-prompts", dest="num_prompts", type=int, default=600,
                    help="prompts per box and rate (default %(default)s, as the seed's benchmark)")
     p.add_argument("--slo", type=float, default=2.0, help="TTFT p95 target in seconds for the summary")

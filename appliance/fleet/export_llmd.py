@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import constants as C
 from ..plan import Plan
 from . import yamlout
 from .plan import FleetError
@@ -20,8 +21,8 @@ from .plan import FleetError
 VLLM_PORT = 8000            # the port llm-d's InferencePool and sidecar expect on a pod (routing.servicePort)
 SIDECAR_TARGET_PORT = 8200  # decode pods behind llm-d's routing sidecar listen here (routing.proxy.targetPort)
 NODE_LABEL = "pdctl.io/lmcache-node"
-DROP_ENV = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LMCACHE_REQUEST_TELEMETRY_TYPE",
-            "LMCACHE_REQUEST_TELEMETRY_ENDPOINT"}   # the device plugin picks GPUs; telemetry feeds pdctl's proxy only
+DROP_ENV = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", C.ENV_TELEMETRY_TYPE,
+            C.ENV_TELEMETRY_ENDPOINT}   # the device plugin picks GPUs; telemetry feeds pdctl's proxy only
 DEFAULT_IMAGE = "lmcache/vllm-openai:latest"
 
 

@@ -16,12 +16,11 @@ import time
 from pathlib import Path
 
 from .. import constants as C
+from ..errors import EXIT_FAIL, EXIT_OK
 from ..units import write_tree
 from ..wire.fetch import fetch_sync
 from .plan import FleetError, FleetPlan
 from .units import render
-
-EXIT_OK, EXIT_FAIL, EXIT_BAD = 0, 1, 2
 
 
 def info(msg: str) -> None:

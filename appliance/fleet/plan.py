@@ -121,7 +121,7 @@ def _check_host(host: str, where: str) -> str:
         pass
     if not _HOSTNAME.match(host):
         raise FleetError(f"{where}: {host!r} is not a host name or IP address; write HOST[:PORT], e.g. "
-                         "box-a.lan:9000 or 10.0.0.5")
+                         f"box-a.lan:{C.PROXY_PORT} or 10.0.0.5")
     return host
 
 
@@ -206,8 +206,8 @@ def make_fleet_plan(node_specs: list, policy: str = DEFAULT_POLICY, listen: str 
                     **router_overrides) -> FleetPlan:
     """Boxes (``HOST[:PORT]`` strings or Nodes) -> FleetPlan with the router command and the reasons."""
     if not node_specs:
-        raise FleetError("no boxes: give at least one --node HOST[:PORT] (each box's pdctl proxy, port 9000 by "
-                         "default)")
+        raise FleetError("no boxes: give at least one --node HOST[:PORT] (each box's pdctl proxy, port "
+                         f"{C.PROXY_PORT} by default)")
     nodes = tuple(n if isinstance(n, Node) else parse_node(n) for n in node_specs)
     seen: dict = {}
     for n in nodes:

@@ -25,6 +25,6 @@ def render(fleet: FleetPlan, venv: str = str(C.VENV_DIR), fleet_path: Path = C.F
         "HARDENING": (tdir / "hardening.inc").read_text().strip(),
     }
     return {
-        f"etc/systemd/system/{C.ROUTER_UNIT}": RenderedFile(_fill((tdir / "pd-router.service.in").read_text(), values)),
+        f"{C.SYSTEMD_REL}/{C.ROUTER_UNIT}": RenderedFile(_fill((tdir / "pd-router.service.in").read_text(), values)),
         str(fleet_path).lstrip("/"): RenderedFile(json.dumps(fleet.to_json(), indent=2, sort_keys=True) + "\n"),
     }

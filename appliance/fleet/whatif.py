@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import default as _d
 from .plan import FleetError
 
 
@@ -26,7 +27,7 @@ class WhatIfRow:
 
 
 def fleet_whatif(boxes: list, rates: list, prefill: int = 1, decode: int = 2, hardware: str = "a100-80gb",
-                 model: str = "deepseek-v2-lite", num_prompts: int = 600, tp: int = 1, seed: int = 2003) -> list:
+                 model: str = _d("install", "model"), num_prompts: int = 600, tp: int = 1, seed: int = 2003) -> list:
     from ..twin.simulator import SimError, simulate
     if not boxes or any(n < 1 for n in boxes):
         raise FleetError(f"--boxes {boxes}: give counts >= 1, e.g. 1,2,4")

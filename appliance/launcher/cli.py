@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from ..constants import CONFIG_PATH
+from ..constants import CONFIG_PATH, KV_UNIT
 
 _PRI = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
 
@@ -61,7 +61,7 @@ def register(subparsers) -> None:
     _add_common(r)
     r.set_defaults(func=cmd_worker_run)
 
-    k = subparsers.add_parser("kvserver", help="the KV cache server unit (used by pd-kvcache.service)")
+    k = subparsers.add_parser("kvserver", help=f"the KV cache server unit (used by {KV_UNIT})")
     ks = k.add_subparsers(dest="kvserver_cmd", metavar="{run}")
     ks.required = True
     r = ks.add_parser("run", help="run the KV server from the plan under systemd (Type=notify launcher)")

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from .. import constants as C
 from .breaker import OPEN, Breaker
 from .config import BackendSpec
 from ..wire.client import Pool, UpstreamError
@@ -47,8 +48,8 @@ class Backend:
 
     def __post_init__(self):
         u = urlsplit(self.spec.url)
-        self.pool = Pool(u.hostname or "127.0.0.1", u.port or 80)
-        self.probe_pool = Pool(u.hostname or "127.0.0.1", u.port or 80)
+        self.pool = Pool(u.hostname or C.LOOPBACK, u.port or 80)
+        self.probe_pool = Pool(u.hostname or C.LOOPBACK, u.port or 80)
 
     @classmethod
     def from_config(cls, spec, cfg) -> "Backend":

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import constants as C
+from ..config import default as _d
 from .routing import POLICIES
 from .config import BackendSpec, ProxyConfig, from_plan
 
@@ -17,25 +18,27 @@ from .config import BackendSpec, ProxyConfig, from_plan
 def _hostport(value: str) -> tuple:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected HOST:PORT, e.g. 127.0.0.1:9300")
-    return host or "0.0.0.0", int(port)
+        raise argparse.ArgumentTypeError(f"{value!r}: expected HOST:PORT, e.g. {C.LOOPBACK}:9300")
+    return host or C.ALL_INTERFACES, int(port)
 
 
 def _url(value: str) -> str:
     v = value.rstrip("/")
     if not v.startswith("http://") or not v[7:]:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected an engine URL like http://127.0.0.1:8100 (engines "
-                                          "are reached over plain HTTP on loopback)")
+        raise argparse.ArgumentTypeError(f"{value!r}: expected an engine URL like "
+                                         f"{C.loopback_url(C.PREFILL_PORT_BASE)} (engines are reached over plain "
+                                         "HTTP on loopback)")
     return v
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("proxy", help="run the disaggregation proxy (from the Plan, or standalone "
                                             "with --prefill/--decode)")
-    p.add_argument("--listen", type=_hostport, help="public HOST:PORT (default: the Plan's, or 0.0.0.0:9000)")
+    p.add_argument("--listen", type=_hostport, help="public HOST:PORT (default: the Plan's, or "
+                                                      f"{_d('proxy', 'host')}:{C.PROXY_PORT})")
     p.add_argument("--internal", type=_hostport,
                    help="loopback HOST:PORT for telemetry and /pdctl/status (default: the Plan's, or "
-                        f"127.0.0.1:{C.PROXY_INTERNAL_PORT}; port 0 picks a free one)")
+                        f"{C.LOOPBACK}:{C.PROXY_INTERNAL_PORT}; port 0 picks a free one)")
     p.add_argument("--prefill", type=_url, action="append", default=[], metavar="URL")
     p.add_argument("--decode", type=_url, action="append", default=[], metavar="URL")
     p.add_argument("--both", type=_url, action="append", default=[], metavar="URL",
@@ -87,7 +90,7 @@ def config_from_args(args, plan=None) -> ProxyConfig:
                  + [BackendSpec(u, "both", telemetry=tel) for u in args.both])
         if not args.decode and not args.both:
             raise SystemExit("pdctl proxy: give at least one --decode (or --both) URL")
-        cfg = ProxyConfig(backends=tuple(specs), kv_wait_s=2.0 if args.telemetry_prefill else 0.0)
+        cfg = ProxyConfig(backends=tuple(specs), kv_wait_s=_d("proxy", "kv_wait_s") if tel else 0.0)
     else:
         cfg = from_plan(plan)
     kw = {}

@@ -4,14 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import constants as C
-from ..config import default as _d
+from ..config import default as _d, schema_fields
 from ..decide import Thresholds
 from ..plan import PROXY_TUNING
 
 
 @dataclass(frozen=True)
 class BackendSpec:
-    url: str                   # "http://127.0.0.1:8100"
+    url: str                   # an engine's base URL (WorkerPlan.url())
     role: str                  # "prefill" | "decode" | "both"
     name: str = ""             # plan instance name ("prefill-0"); the URL when empty
     telemetry: bool = False    # this prefiller posts LMCache request_store_finished events to us
@@ -22,16 +22,17 @@ class BackendSpec:
 
 
 @dataclass(frozen=True)
+@schema_fields(PROXY_TUNING)
 class ProxyConfig:
     backends: tuple                          # BackendSpec, in plan order
-    host: str = "0.0.0.0"
+    host: str = _d("proxy", "host")
     port: int = C.PROXY_PORT
     internal_host: str = C.LOOPBACK
     internal_port: int = C.PROXY_INTERNAL_PORT   # 0 = no internal listener
-    policy: str = "adaptive"                 # "adaptive" | "pdctl" | "round-robin" (routing.POLICIES)
+    policy: str = _d("proxy", "policy")      # "adaptive" | "pdctl" | "round-robin" (routing.POLICIES)
     thresholds: Thresholds = Thresholds()    # adaptive: when to aggregate or split (appliance/decide.py)
-    kv_wait_s: float = 2.0                   # bounded wait for the prefill's KV store (telemetry prefillers only)
-    pd_min_prompt_tokens: int = 512          # shorter prompts skip the P leg
+    kv_wait_s: float = _d("proxy", "kv_wait_s")  # bounded wait for the prefill's KV store (telemetry prefillers)
+    pd_min_prompt_tokens: int = _d("proxy", "pd_min_prompt_tokens")   # shorter prompts skip the P leg
     prefix_ttl_s: float = 300.0              # how long a stored prefix counts as "still in the KV server"
     api_key: str | None = None
     backend_api_key: str | None = None       # sent to the engines when they run with --api-key
@@ -48,35 +49,19 @@ class ProxyConfig:
     canary_interval_s: float = 5.0
     ready_window_s: float = 30.0             # /ready is true while the last good canary is younger than this
     max_attempts: int = 3                    # per leg, each on a different backend
-    on_prefill_failure: str = _d("proxy", "on_prefill_failure")   # "decode" (counted) | "fail" (503, counted)
-    # stream migration and hung workers (migrate.py, stall.py)
+    # stream migration (migrate.py)
     token_ids: bool = True                   # streamed legs ask for return_token_ids (exact continuation);
     #                                          engines that ignore it are continued from text (migrate.py)
-    max_migrations: int = _d("proxy", "max_migrations")
-    migration_deadline_s: float = _d("proxy", "migration_deadline_s")
-    stall_factor: float = _d("proxy", "stall_factor")
-    stall_floor_s: float = _d("proxy", "stall_floor_s")
-    # lifecycle under systemd
-    drain_timeout_s: float = _d("proxy", "drain_timeout_s")
-    watchdog_s: float = _d("proxy", "watchdog_s")
-    # the public listener ([listener] in pdctl.toml)
-    header_timeout_s: float = _d("listener", "header_timeout_s")
-    body_timeout_s: float = _d("listener", "body_timeout_s")
-    keepalive_timeout_s: float = _d("listener", "keepalive_timeout_s")
-    send_timeout_s: float = _d("listener", "send_timeout_s")
-    max_connections: int = _d("listener", "max_connections")
-    max_header_bytes: int = _d("listener", "max_header_bytes")
-    max_body_bytes: int = _d("listener", "max_body_bytes")
-    public_status: bool = False              # GET /pdctl/status on the public port too (API key required)
+    public_status: bool = _d("proxy", "public_status")   # GET /pdctl/status on the public port too (API key)
     kv_url: str = ""                         # the KV server's HTTP base URL: a restart empties its L1, so the
     #                                          proxy forgets which prefixes it believed stored
     extra: dict = field(default_factory=dict)
+    # + one field per PROXY_TUNING key (schema_fields): on_prefill_failure ("decode": served whole, counted;
+    # "fail": 503), stream migration and hung workers (migrate.py, stall.py), drain and watchdog under systemd,
+    # and the public listener's limits ([listener] in pdctl.toml)
 
     def role(self, role: str) -> list:
         return [b for b in self.backends if b.role == role or b.role == "both"]
-
-
-TELEMETRY_ENV = "LMCACHE_REQUEST_TELEMETRY_ENDPOINT"
 
 
 def _token_ids(plan) -> bool:
@@ -94,7 +79,7 @@ def from_plan(plan, **overrides) -> ProxyConfig:
     """Backends, ports and knobs from an ``appliance.plan.Plan``; nothing is re-derived here."""
     specs = []
     for w in plan.workers:
-        tel = bool(w.env.get(TELEMETRY_ENV)) if isinstance(w.env, dict) else False
+        tel = bool(w.env.get(C.ENV_TELEMETRY_ENDPOINT)) if isinstance(w.env, dict) else False
         specs.append(BackendSpec(url=w.url(), role=w.role, name=w.instance, telemetry=tel and w.role != "decode"))
     p = plan.proxy
     kw = dict(backends=tuple(specs), host=p.host, port=p.port, internal_port=p.internal_port, policy=p.policy,

@@ -13,9 +13,9 @@ import asyncio
 import logging
 import socket
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
-from .. import sdnotify
+from .. import constants as C, sdnotify
 from .backends import Backend
 from .routing import POLICIES, make_policy
 from ..wire.server import Limits
@@ -27,10 +27,10 @@ INTERNAL_MAX_BODY = 4 * 1024 * 1024     # telemetry events and status reads only
 
 def limits(cfg, which: str = PUBLIC) -> Limits:
     """The listener limits from the config ([listener]); the loopback port takes small bodies only."""
-    return Limits(header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
-                  keepalive_timeout_s=cfg.keepalive_timeout_s, send_timeout_s=cfg.send_timeout_s,
-                  max_connections=cfg.max_connections, max_header_bytes=cfg.max_header_bytes,
-                  max_body_bytes=cfg.max_body_bytes if which == PUBLIC else INTERNAL_MAX_BODY)
+    kw = {f.name: getattr(cfg, f.name) for f in fields(Limits)}
+    if which != PUBLIC:
+        kw["max_body_bytes"] = INTERNAL_MAX_BODY
+    return Limits(**kw)
 
 
 def adopt(fds: list, cfg) -> dict:
@@ -110,9 +110,9 @@ def reload(server, new) -> list[str]:
         changes.append("settings: " + ", ".join(k for k in changed_keys if "key" not in k)
                        + (" (API keys re-read)" if any("key" in k for k in changed_keys) else ""))
     server.backends, server.policy, server.cfg = backends, policy, new
-    server._public.pop(("GET", "/pdctl/status"), None)
+    server._public.pop(("GET", C.BOX_STATUS_PATH), None)
     if new.public_status:
-        server._public[("GET", "/pdctl/status")] = server.h_public_status
+        server._public[("GET", C.BOX_STATUS_PATH)] = server.h_public_status
     for srv, which in zip(server._servers, (PUBLIC, INTERNAL)):
         srv.set_limits(limits(new, which))
     return changes
@@ -134,7 +134,7 @@ def serving_status(server) -> str:
 
 async def own_health(host: str, port: int, timeout_s: float) -> str:
     """'' when GET /health through our own listener answers 200 within ``timeout_s``, else why not."""
-    target = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    target = C.LOOPBACK if host in (C.ALL_INTERFACES, "") else "::1" if host == "::" else host
     try:
         r, w = await asyncio.wait_for(asyncio.open_connection(target, port), timeout_s)
     except (OSError, asyncio.TimeoutError) as e:

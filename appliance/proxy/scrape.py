@@ -52,7 +52,7 @@ class Watcher:
         from urllib.parse import urlsplit
         from ..wire.client import Pool
         u = urlsplit(self.s.cfg.kv_url)
-        pool = Pool(u.hostname or "127.0.0.1", u.port or 80, self.s.cfg.connect_timeout_s)
+        pool = Pool(u.hostname or C.LOOPBACK, u.port or 80, self.s.cfg.connect_timeout_s)
         was_up = True
         try:
             while True:

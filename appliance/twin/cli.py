@@ -9,6 +9,7 @@ import math
 import sys
 
 from appliance import constants as C
+from appliance.config import default as _d
 from appliance.models import ModelError
 
 from .hardware import PROFILES, HardwareError
@@ -46,9 +47,9 @@ def _rates(text: str) -> list[float]:
 
 
 def _engine_cfg_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=32768)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--max-num-seqs", type=int, default=_d("plan", "max_num_seqs"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=_d("plan", "max_num_batched_tokens"))
+    p.add_argument("--gpu-memory-utilization", type=float, default=_d("plan", "gpu_memory_utilization"))
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per engine")
 
 
@@ -64,12 +65,12 @@ def register(subparsers) -> None:
 
     s = sub.add_parser("simulate", help="discrete-event simulation of a PD stack over request rates")
     s.add_argument("--hardware", default="a100-80gb", help=f"one of {', '.join(PROFILES)}")
-    s.add_argument("--model", default="deepseek-v2-lite")
+    s.add_argument("--model", default=_d("install", "model"))
     s.add_argument("--prefill", type=int, default=1)
     s.add_argument("--decode", type=int, default=2)
-    s.add_argument("--input-len", type=int, default=7869)
-    s.add_argument("--prefix-len", type=int, default=6000)
-    s.add_argument("--output-len", type=int, default=252)
+    s.add_argument("--input-len", type=int, default=_d("workload", "input_len"))
+    s.add_argument("--prefix-len", type=int, default=_d("workload", "prefix_len"))
+    s.add_argument("--output-len", type=int, default=_d("workload", "output_len"))
     s.add_argument("--rates", type=_rates, default=[1.0, 2.0, 5.0, 10.0, 20.0])
     s.add_argument("--num-prompts", type=int, default=600)
     s.add_argument("--policy", choices=["round-robin", "pdctl"], default="round-robin")
@@ -90,16 +91,16 @@ def register(subparsers) -> None:
     e.add_argument("--port", type=int, required=True)
     e.add_argument("--host", default=C.LOOPBACK)
     e.add_argument("--hardware", default="h200")
-    e.add_argument("--model", default="deepseek-v2-lite")
-    e.add_argument("--kv", default=None, help="twin KV server ZMQ URL, e.g. tcp://127.0.0.1:6000")
+    e.add_argument("--model", default=_d("install", "model"))
+    e.add_argument("--kv", default=None, help=f"twin KV server ZMQ URL, e.g. {C.loopback_zmq(C.KV_ZMQ_PORT)}")
     e.add_argument("--kv-http", default=None, help="twin KV server HTTP URL (informational)")
     e.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per model second")
     e.add_argument("--served-model-name", default=None)
     e.add_argument("--gpu-index", type=int, default=None)
     e.add_argument("--state-file", default=None, help="twin GPU sample file (default with --gpu-index: "
                    f"{C.TWIN_STATE_DIR}/gpu-N.json)")
-    e.add_argument("--max-model-len", type=int, default=20000)
-    e.add_argument("--block-size", type=int, default=64)
+    e.add_argument("--max-model-len", type=int, default=_d("workload", "max_model_len"))
+    e.add_argument("--block-size", type=int, default=_d("plan", "block_size"))
     e.add_argument("--fault", default="none", help="start with a fault: MODE[:ARG] (see appliance.twin.faults)")
     e.add_argument("--setup", choices=sorted(SETUP_NAMES), default="seed",
                    help="cost parameters, as pdctl twin simulate --setup: seed = --enforce-eager + the seed's proxy "

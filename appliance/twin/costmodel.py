@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from appliance.config import default as _d
 from appliance.models import ModelProfile
 
 from .hardware import Hardware
@@ -72,11 +73,11 @@ def arch_for(model: ModelProfile) -> ArchFacts:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The vLLM flags that shape scheduling (the seed's values as defaults)."""
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 32768
-    gpu_memory_utilization: float = 0.85
-    block_size: int = 64
+    """The vLLM flags that shape scheduling (defaults: the plan's, from the config schema)."""
+    max_num_seqs: int = _d("plan", "max_num_seqs")
+    max_num_batched_tokens: int = _d("plan", "max_num_batched_tokens")
+    gpu_memory_utilization: float = _d("plan", "gpu_memory_utilization")
+    block_size: int = _d("plan", "block_size")
     tp: int = 1                      # tensor parallel: compute, bandwidth and memory scale by tp
     #                                  (all-reduce time not modelled)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from appliance import constants as C
+from appliance.config import default as _d
 from appliance.models import resolve as resolve_model
 
 from . import gpus, kvpath, tokens
@@ -45,16 +46,16 @@ TELEMETRY_TIMEOUT_S = 5.0
 class EngineOptions:
     role: str = "both"
     host: str = C.LOOPBACK
-    port: int = 8100
+    port: int = C.PREFILL_PORT_BASE
     hardware: str = "h200"
-    model: str = "deepseek-v2-lite"
-    kv: Optional[str] = None                 # tcp://127.0.0.1:6000; None = no KV server
+    model: str = _d("install", "model")
+    kv: Optional[str] = None                 # the KV server's ZMQ URL (C.loopback_zmq); None = none
     kv_http: Optional[str] = None            # informational (shown in /twin/fault GET)
     time_scale: float = 1.0
     served_model_name: Optional[str] = None
     gpu_index: int = 0
     state_file: Optional[str] = None
-    max_model_len: int = 20000
+    max_model_len: int = _d("workload", "max_model_len")
     engine: EngineConfig = field(default_factory=EngineConfig)
     params: Optional[CostParams] = None      # None: CostParams.for_setup(setup, hardware)
     setup: str = "seed"
@@ -138,7 +139,8 @@ class TwinEngine:
         self.busy_wall = 0.0
         self.fingerprint = f"vllm-{VLLM_VERSION}-{secrets.token_hex(4)}"
         self.telemetry = None
-        if os.environ.get(C.ENV_TELEMETRY_TYPE, "").lower() == "fastapi" and os.environ.get(C.ENV_TELEMETRY_ENDPOINT):
+        if (os.environ.get(C.ENV_TELEMETRY_TYPE, "").lower() == C.TELEMETRY_TYPE_FASTAPI
+                and os.environ.get(C.ENV_TELEMETRY_ENDPOINT)):
             self.telemetry = os.environ[C.ENV_TELEMETRY_ENDPOINT]
         self.telemetry_sent = 0
         self._work: Optional[asyncio.Event] = None

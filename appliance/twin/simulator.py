@@ -33,6 +33,7 @@ import math
 import random
 from typing import Optional, Sequence
 
+from appliance.config import default as _d
 from appliance.models import ModelProfile, resolve as resolve_model
 
 from .costmodel import CostModel, CostParams, EngineConfig
@@ -121,7 +122,7 @@ def roles_for(prefill: int, decode: int, both: int = 0, policy: str = "round-rob
     return ("prefill",) * prefill + ("decode",) * decode + ("both",) * both
 
 
-def simulate(hardware: object = "a100-80gb", model: object = "deepseek-v2-lite", prefill: int = 1,
+def simulate(hardware: object = "a100-80gb", model: object = _d("install", "model"), prefill: int = 1,
              decode: int = 2, workload=Workload(), rates: Sequence[float] = (1, 2, 5, 10),
              num_prompts: int = 600, policy: str = "round-robin", seed: int = 2003,
              params: Optional[CostParams] = None, engine: Optional[EngineConfig] = None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from appliance.config import default as _d
+
 
 class SimError(ValueError):
     """Bad simulator input (what, and how to fix it)."""
@@ -11,9 +13,10 @@ class SimError(ValueError):
 
 @dataclass(frozen=True)
 class Workload:
-    input_len: int = 7869      # tokens per prompt (the seed's P50 profile: 6000 shared + 1869 unique)
-    prefix_len: int = 6000     # tokens shared by every prompt
-    output_len: int = 252
+    """One request shape; defaults from [workload] in the config schema (the seed's P50 profile)."""
+    input_len: int = _d("workload", "input_len")      # tokens per prompt
+    prefix_len: int = _d("workload", "prefix_len")    # tokens shared by every prompt
+    output_len: int = _d("workload", "output_len")
 
     def check(self) -> None:
         if self.input_len < 1 or self.output_len < 1:

@@ -20,22 +20,18 @@ import socket
 from collections import Counter
 from dataclasses import dataclass
 
-from ..config import default as _d
+from ..config import SCHEMA, schema_fields
 from .http1 import Connection, Request, Response
 
 __all__ = ["Limits", "Server", "Request", "Response"]
 
 
 @dataclass(frozen=True)
+@schema_fields({"listener": tuple(SCHEMA["listener"])})
 class Limits:
-    """What one client may hold of a listener ([listener] in pdctl.toml; defaults from the config schema)."""
-    header_timeout_s: float = _d("listener", "header_timeout_s")
-    body_timeout_s: float = _d("listener", "body_timeout_s")
-    keepalive_timeout_s: float = _d("listener", "keepalive_timeout_s")
-    send_timeout_s: float = _d("listener", "send_timeout_s")
-    max_connections: int = _d("listener", "max_connections")
-    max_header_bytes: int = _d("listener", "max_header_bytes")
-    max_body_bytes: int = _d("listener", "max_body_bytes")
+    """What one client may hold of a listener: one field per key of [listener] in pdctl.toml (header_timeout_s,
+    body_timeout_s, keepalive_timeout_s, send_timeout_s, max_connections, max_header_bytes, max_body_bytes),
+    defaults from the config schema."""
 
     @property
     def tick_s(self) -> float:

@@ -307,14 +307,3 @@ def test_install_sh_offers_every_pdctl_install_option():
     r = subprocess.run(["bash", "install.sh", "--help"], capture_output=True, text=True, timeout=30,
                        cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0 and "main()" not in r.stdout and "INSTALL_PDCTL_PURGE" in r.stdout
-
-
-def test_the_core_never_imports_the_ui():
-    """appliance/ is UI-free: the dashboard's verbs come in through the pdctl.verbs entry point (tui/cli.py)."""
-    import re
-    bad = [f"{p}:{n}" for p in sorted((Path(__file__).resolve().parents[2] / "appliance").rglob("*.py"))
-           for n, ln in enumerate(p.read_text().splitlines(), 1) if re.match(r"\s*(from|import)\s+tui\b", ln)]
-    assert bad == [], bad
-    from appliance.cli import build_parser
-    sub = next(a for a in build_parser()._actions if getattr(a, "choices", None) and "tui" in a.choices)
-    assert sub.choices["demo"].get_default("run_ui") is not None, "the demo's dashboard was not registered"
