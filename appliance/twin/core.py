@@ -236,9 +236,10 @@ class EngineCore:
         kv_read = self.decode_kv_tokens() if n_dec else 0.0
         tokens = n_dec
         completed: list[Seq] = []
-        for seq in self.prefilling:
-            if budget <= 0:
-                break
+
+        def chunk(seq: Seq) -> None:
+            """Prefill as much of ``seq`` as the budget left allows (attention pairs: causal, after its done)."""
+            nonlocal pairs, budget, tokens
             c = min(seq.target - seq.done, budget)
             pairs += c * seq.done + c * (c + 1) / 2
             seq.done += c
@@ -246,6 +247,11 @@ class EngineCore:
             tokens += c
             if seq.done >= seq.target:
                 completed.append(seq)
+
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            chunk(seq)
         skipped: list[Seq] = []
         while self.waiting and budget > 0 and self.num_running < self.cfg.max_num_seqs:
             seq = self.waiting[0]
@@ -272,13 +278,7 @@ class EngineCore:
                     c_.external_queries += seq.prompt_len - seq.local
                     c_.external_hits += seq.hit - seq.local
                 c_.local_compute += seq.prompt_len - seq.hit
-            c = min(seq.target - seq.done, budget)
-            pairs += c * seq.done + c * (c + 1) / 2
-            seq.done += c
-            budget -= c
-            tokens += c
-            if seq.done >= seq.target:
-                completed.append(seq)
+            chunk(seq)
         self.waiting.extendleft(reversed(skipped))
         if tokens == 0 and not rejected and not preempted:
             self.step_no -= 1
