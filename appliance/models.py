@@ -38,6 +38,18 @@ def _kv_mha(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> 
     return layers * kv_heads * head_dim * 2 * dtype_bytes
 
 
+def _dense_bf16(name: str, hf_id: str, params_b: float, layers: int, max_context: int, tools: str,
+                parser: str) -> ModelProfile:
+    """A dense bf16 GQA model (8 KV heads x 128): every number, and the source line, from its config.json."""
+    return ModelProfile(
+        name=name, hf_id=hf_id, params_b=params_b, active_params_b=params_b,
+        weights_bytes=round(params_b * 1e9) * 2,
+        kv_bytes_per_token=_kv_mha(layers, 8, 128),
+        num_layers=layers, max_context=max_context, dtype="bfloat16",
+        source=f"config.json: {layers} layers, 8 KV heads x 128, bf16; {params_b:g} B params x 2 bytes; {tools}: "
+               f"vLLM's {parser} parser", tool_call_parser=parser)
+
+
 REGISTRY: dict[str, ModelProfile] = {
     "deepseek-v2-lite": ModelProfile(
         name="deepseek-v2-lite", hf_id="deepseek-ai/DeepSeek-V2-Lite-Chat",
@@ -62,30 +74,12 @@ REGISTRY: dict[str, ModelProfile] = {
                "for experts; vLLM fp8_ds_mla KV layout (656 B + 132 B indexer per token per layer); tool calls "
                "in DSML: vLLM's deepseek_v32 parser",
         tool_call_parser="deepseek_v32"),
-    "llama-3.1-8b": ModelProfile(
-        name="llama-3.1-8b", hf_id="meta-llama/Llama-3.1-8B-Instruct",
-        params_b=8.03, active_params_b=8.03,
-        weights_bytes=int(8.03e9 * 2),
-        kv_bytes_per_token=_kv_mha(32, 8, 128),
-        num_layers=32, max_context=131072, dtype="bfloat16",
-        source="config.json: 32 layers, 8 KV heads x 128, bf16; 8.03 B params x 2 bytes; Llama 3.1 JSON tool "
-               "calls: vLLM's llama3_json parser", tool_call_parser="llama3_json"),
-    "llama-3.1-70b": ModelProfile(
-        name="llama-3.1-70b", hf_id="meta-llama/Llama-3.1-70B-Instruct",
-        params_b=70.6, active_params_b=70.6,
-        weights_bytes=int(70.6e9 * 2),
-        kv_bytes_per_token=_kv_mha(80, 8, 128),
-        num_layers=80, max_context=131072, dtype="bfloat16",
-        source="config.json: 80 layers, 8 KV heads x 128, bf16; 70.6 B params x 2 bytes; Llama 3.1 JSON tool "
-               "calls: vLLM's llama3_json parser", tool_call_parser="llama3_json"),
-    "qwen2.5-32b": ModelProfile(
-        name="qwen2.5-32b", hf_id="Qwen/Qwen2.5-32B-Instruct",
-        params_b=32.8, active_params_b=32.8,
-        weights_bytes=int(32.8e9 * 2),
-        kv_bytes_per_token=_kv_mha(64, 8, 128),
-        num_layers=64, max_context=32768, dtype="bfloat16",
-        source="config.json: 64 layers, 8 KV heads x 128, bf16; 32.8 B params x 2 bytes; Qwen2.5 tool calls "
-               "in <tool_call> tags: vLLM's hermes parser", tool_call_parser="hermes"),
+    "llama-3.1-8b": _dense_bf16("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", 8.03, 32, 131072,
+                                "Llama 3.1 JSON tool calls", "llama3_json"),
+    "llama-3.1-70b": _dense_bf16("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", 70.6, 80, 131072,
+                                 "Llama 3.1 JSON tool calls", "llama3_json"),
+    "qwen2.5-32b": _dense_bf16("qwen2.5-32b", "Qwen/Qwen2.5-32B-Instruct", 32.8, 64, 32768,
+                               "Qwen2.5 tool calls in <tool_call> tags", "hermes"),
 }
 
 ALIASES = {
