@@ -42,28 +42,25 @@ def plot(summaries: Sequence[dict], out: Path, slo_ttft_p50_s: float = 2.0, slo_
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(asked, asked, "--", color="goldenrod", label="asked")
     ax.plot(asked, [s["request_throughput"] for s in rows], "o-", color="tab:blue", label="delivered")
-    ax.set_xlabel("asked req/s")
-    ax.set_ylabel("req/s")
-    ax.set_title(title or "Asked vs delivered")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    p1 = out / "throughput.png"
-    fig.tight_layout()
-    fig.savefig(p1, dpi=100)
-    plt.close(fig)
+    p1 = _save(plt, fig, ax, out / "throughput.png", "req/s", title or "Asked vs delivered")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(asked, [s["p50_ttft_ms"] / 1000 for s in rows], "o-", color="tab:green", label="TTFT p50")
     ax.plot(asked, [s["p95_ttft_ms"] / 1000 for s in rows], "o-", color="tab:red", label="TTFT p95")
     ax.axhline(slo_ttft_p50_s, ls="--", color="tab:green", alpha=0.6, label=f"SLO p50 {slo_ttft_p50_s:g}s")
     ax.axhline(slo_ttft_p95_s, ls="--", color="tab:red", alpha=0.6, label=f"SLO p95 {slo_ttft_p95_s:g}s")
+    p2 = _save(plt, fig, ax, out / "ttft.png", "seconds", title or "Time to first token")
+    return [p1, p2]
+
+
+def _save(plt, fig, ax, path: Path, ylabel: str, title: str) -> Path:
+    """Both plots' frame (x = asked rate, grid, legend) and the PNG written at 100 dpi."""
     ax.set_xlabel("asked req/s")
-    ax.set_ylabel("seconds")
-    ax.set_title(title or "Time to first token")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    p2 = out / "ttft.png"
     fig.tight_layout()
-    fig.savefig(p2, dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return [p1, p2]
+    return path
