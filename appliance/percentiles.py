@@ -1,4 +1,5 @@
-"""One percentile definition for every report (bench, twin, collector): numpy's default, linear interpolation."""
+"""One percentile definition for every report (bench, twin, collector): numpy's default, linear interpolation;
+and the throughput fields that the bench and the twin both report, defined once."""
 from __future__ import annotations
 
 import math
@@ -26,3 +27,10 @@ def latency_fields(name: str, ms: Sequence[float]) -> dict:
     for q in QUANTILES:
         out[f"p{q}_{name}_ms"] = percentile(ms, q)
     return out
+
+
+def throughput_fields(completed: int, failed: int, tin: int, tout: int, dur: float) -> dict:
+    """``vllm bench serve``'s counts and throughputs: token totals of completed requests over ``dur`` seconds."""
+    return {"completed": completed, "failed": failed, "total_input_tokens": tin, "total_output_tokens": tout,
+            "request_throughput": completed / dur, "output_throughput": tout / dur,
+            "total_token_throughput": (tin + tout) / dur}

@@ -12,7 +12,8 @@ import math
 import time
 from typing import Optional
 
-from ..percentiles import latency_fields, percentile  # noqa: F401  (percentile re-exported: one definition)
+from ..percentiles import latency_fields, throughput_fields
+from ..percentiles import percentile  # noqa: F401  (re-exported: one definition)
 from .loadgen import RunResult
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -51,14 +52,8 @@ def summarize(run: RunResult, *, model: str, tokenizer_id: str, num_prompts: int
         "request_rate": rate if math.isfinite(rate) else "inf",
         "burstiness": 1.0, "max_concurrency": None,
         "duration": dur,
-        "completed": len(ok),
-        "failed": len(run.results) - len(ok),
-        "total_input_tokens": tin,
-        "total_output_tokens": tout,
-        "request_throughput": len(ok) / dur,
+        **throughput_fields(len(ok), len(run.results) - len(ok), tin, tout, dur),
         "request_goodput": None,
-        "output_throughput": tout / dur,
-        "total_token_throughput": (tin + tout) / dur,
         "max_output_tokens_per_s": _peak_tokens_per_s(ok),
         "max_concurrent_requests": run.max_concurrency,
     }

@@ -41,7 +41,8 @@ from .hardware import Hardware, resolve as resolve_hw
 from .simstack import PolicyConfig, SimRequest, SimStack
 from .workloads import Mix, SimError, Workload  # noqa: F401  (re-exported: the simulator's inputs)
 from ..decide import Thresholds
-from ..percentiles import latency_fields, percentile  # noqa: F401  (percentile re-exported: tests read it here)
+from ..percentiles import latency_fields, throughput_fields
+from ..percentiles import percentile  # noqa: F401  (re-exported: tests read it here)
 
 GB = 1e9
 POLICIES = ("round-robin", "pdctl", "adaptive")
@@ -68,14 +69,8 @@ def _summary(stack: SimStack, rate: float, num_prompts: int, duration: float, hi
     res = {
         "request_rate": rate if math.isfinite(rate) else "inf",
         "duration": round(dur, 3),
-        "completed": len(ok),
-        "failed": failed,
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / dur,
+        **throughput_fields(len(ok), failed, in_tokens, out_tokens, dur),
         "sustained_throughput": sustained,
-        "output_throughput": out_tokens / dur,
-        "total_token_throughput": (in_tokens + out_tokens) / dur,
         "max_concurrent_requests": stack.max_inflight,
         "kv_hit_rate": hit_tok / req_tok if req_tok else 0.0,
         "p_leg_skipped": sum(1 for r in ok if r.skipped_p),
