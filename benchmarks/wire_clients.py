@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from appliance.wire.client import UpstreamError, UpstreamTimeout  # noqa: E402
+from appliance.wire.client import UpstreamError, UpstreamTimeout, read_to_end  # noqa: E402
 
 CLIENTS = ("lean", "httpx", "aiohttp")
 
@@ -65,14 +65,7 @@ class _LibConn:
         return self.done
 
     async def read_all(self, timeout_s: float | None = None, limit: int = 64 * 1024 * 1024) -> bytes:
-        out = bytearray()
-        while True:
-            d = await self.read(timeout_s)
-            if not d:
-                return bytes(out)
-            out += d
-            if len(out) > limit:
-                raise UpstreamError(f"engine answer larger than {limit} bytes")
+        return await read_to_end(self.read, timeout_s, limit)
 
 
 class HttpxConn(_LibConn):

@@ -50,6 +50,19 @@ def refused(e: BaseException | None) -> bool:
     return msg.startswith("Multiple exceptions") and msg.count("[Errno") == msg.count(f"[Errno {errno.ECONNREFUSED}]")
 
 
+async def read_to_end(read, timeout_s: float | None, limit: int) -> bytes:
+    """The rest of a body from ``read(timeout_s)`` (b"" at its end), refusing one larger than ``limit`` bytes.
+    Shared with the benchmarks' library-backed connections (benchmarks/wire_clients.py)."""
+    out = bytearray()
+    while True:
+        d = await read(timeout_s)
+        if not d:
+            return bytes(out)
+        out += d
+        if len(out) > limit:
+            raise UpstreamError(f"answer larger than {limit} bytes")
+
+
 class Conn(asyncio.BufferedProtocol):
     """One keep-alive connection to an engine; parses answers with httptools (llhttp)."""
 
@@ -199,14 +212,7 @@ class Conn(asyncio.BufferedProtocol):
         return self.state == _DONE and not self.pieces
 
     async def read_all(self, timeout_s: float | None = None, limit: int = 64 * 1024 * 1024) -> bytes:
-        out = bytearray()
-        while True:
-            d = await self.read(timeout_s)
-            if not d:
-                return bytes(out)
-            out += d
-            if len(out) > limit:
-                raise UpstreamError(f"answer larger than {limit} bytes")
+        return await read_to_end(self.read, timeout_s, limit)
 
     def close(self) -> None:
         """Drop the connection (the engine sees the client go away and aborts the request)."""
