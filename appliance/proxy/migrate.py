@@ -95,6 +95,20 @@ def payloads(raw: bytes) -> list:
     return out
 
 
+def json_events(raw: bytes):
+    """The SSE payloads of ``raw`` as JSON objects, None standing for ``[DONE]``; other payloads are skipped."""
+    for data in payloads(raw):
+        if data == b"[DONE]":
+            yield None
+            continue
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict):
+            yield obj
+
+
 def event_end(buf: bytes) -> int:
     """Length of the whole events at the start of ``buf`` (what may go to the client now)."""
     a = buf.rfind(b"\n\n")
@@ -152,15 +166,9 @@ class Progress:
 
 def progress(raw: bytes, kind: str) -> Progress:
     p = Progress(kind)
-    for data in payloads(raw):
-        if data == b"[DONE]":
+    for obj in json_events(raw):
+        if obj is None:
             p.done = True
-            continue
-        try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            continue
-        if not isinstance(obj, dict):
             continue
         if "error" in obj and not obj.get("choices"):
             p.engine_error = True
@@ -349,15 +357,9 @@ class Rewriter:
 
     def feed(self, block: bytes) -> bytes:
         parts = []
-        for data in payloads(block):
-            if data == b"[DONE]":
+        for obj in json_events(block):
+            if obj is None:
                 parts.append(b"data: [DONE]\n\n")
-                continue
-            try:
-                obj = json.loads(data)
-            except (ValueError, UnicodeDecodeError):
-                continue
-            if not isinstance(obj, dict):
                 continue
             out = self._one(obj)
             if out is not None:
