@@ -53,6 +53,14 @@ async def factory(proxy_factory, cfg):
     return px
 
 
+async def failing_d0(e, proxy_factory, mode: str, after: int | None = None, **cfg):
+    """A scraped proxy over d0 and d1 whose first leg goes to d0, which then fails in ``mode`` (after that many
+    tokens for the mid-stream modes); ``cfg``: further proxy settings."""
+    first_on_d0(e)
+    e["d0"].mode(mode, **({} if after is None else {"after": after}))
+    return await factory(proxy_factory, make_cfg([], [e["d0"].url, e["d1"].url], canary_interval_s=60, **cfg))
+
+
 def clean(raw: bytes, events: list) -> None:
     assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
     assert len({e["id"] for e in events}) == 1, "one id for the whole answer"
@@ -61,9 +69,7 @@ def clean(raw: bytes, events: list) -> None:
 
 async def test_completions_migrated_from_token_ids(fresh, proxy_factory):
     e = fresh
-    first_on_d0(e)
-    e["d0"].mode("die_mid_stream", after=5)
-    px = await factory(proxy_factory, make_cfg([], [e["d0"].url, e["d1"].url], canary_interval_s=60))
+    px = await failing_d0(e, proxy_factory, "die_mid_stream", after=5)
     raw, events = await stream(px.url, "/v1/completions", COMPL)
     clean(raw, events)
     assert text_of(events, chat=False) == expected(COMPL, 20)
@@ -79,9 +85,7 @@ async def test_completions_migrated_from_token_ids(fresh, proxy_factory):
 
 async def test_chat_migrated_through_completions_from_token_ids(fresh, proxy_factory):
     e = fresh
-    first_on_d0(e)
-    e["d0"].mode("die_mid_stream", after=7)
-    px = await factory(proxy_factory, make_cfg([], [e["d0"].url, e["d1"].url], canary_interval_s=60))
+    px = await failing_d0(e, proxy_factory, "die_mid_stream", after=7)
     raw, events = await stream(px.url, "/v1/chat/completions", CHAT)
     clean(raw, events)
     assert all(ev["object"] == "chat.completion.chunk" for ev in events)
@@ -98,9 +102,7 @@ async def test_chat_migrated_through_completions_from_token_ids(fresh, proxy_fac
 async def test_text_continuation_when_engines_give_no_token_ids(fresh, proxy_factory):
     e = fresh
     for body, path, chat in ((COMPL, "/v1/completions", False), (CHAT, "/v1/chat/completions", True)):
-        first_on_d0(e)
-        e["d0"].mode("die_mid_stream", after=4)
-        px = await factory(proxy_factory, make_cfg([], [e["d0"].url, e["d1"].url], canary_interval_s=60, token_ids=False))
+        px = await failing_d0(e, proxy_factory, "die_mid_stream", after=4, token_ids=False)
         raw, events = await stream(px.url, path, body)
         assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
         assert text_of(events, chat) == expected(body, 20)
@@ -118,10 +120,7 @@ async def test_text_continuation_when_engines_give_no_token_ids(fresh, proxy_fac
 
 async def test_stalled_stream_is_moved_and_the_hung_worker_opened(fresh, proxy_factory):
     e = fresh
-    first_on_d0(e)
-    e["d0"].mode("stall_mid_stream", after=6)
-    px = await factory(proxy_factory, make_cfg([], [e["d0"].url, e["d1"].url], canary_interval_s=60, stall_floor_s=0.6,
-                                      idle_timeout_s=60))
+    px = await failing_d0(e, proxy_factory, "stall_mid_stream", after=6, stall_floor_s=0.6, idle_timeout_s=60)
     t0 = time.monotonic()
     raw, events = await stream(px.url, "/v1/chat/completions", CHAT)
     took = time.monotonic() - t0
@@ -139,10 +138,7 @@ async def test_stalled_stream_is_moved_and_the_hung_worker_opened(fresh, proxy_f
 async def test_hung_worker_before_the_first_byte_is_left_within_the_bound(fresh, proxy_factory):
     """/health keeps answering (engine core wedged): the stall bound moves the wait, not first_byte_timeout."""
     e = fresh
-    first_on_d0(e)
-    e["d0"].mode("hang_gen")
-    px = await factory(proxy_factory, make_cfg([], [e["d0"].url, e["d1"].url], canary_interval_s=60, stall_floor_s=0.6,
-                                      first_byte_timeout_s=60))
+    px = await failing_d0(e, proxy_factory, "hang_gen", stall_floor_s=0.6, first_byte_timeout_s=60)
     t0 = time.monotonic()
     raw, events = await stream(px.url, "/v1/completions", COMPL)
     assert time.monotonic() - t0 < 10
@@ -172,9 +168,7 @@ async def test_two_failures_two_migrations_then_the_budget_is_spent(fresh, proxy
 
 async def test_requests_that_cannot_be_continued_end_with_the_error_event(fresh, proxy_factory):
     e = fresh
-    first_on_d0(e)
-    e["d0"].mode("die_mid_stream", after=3)
-    px = await factory(proxy_factory, make_cfg([], [e["d0"].url, e["d1"].url], canary_interval_s=60))
+    px = await failing_d0(e, proxy_factory, "die_mid_stream", after=3)
     for extra, why in (({"logprobs": 2}, "logprobs"), ({"n": 2, "seed": 1}, "n"), ({"echo": True}, "echo")):
         raw, _ = await stream(px.url, "/v1/completions", dict(COMPL, **extra))
         assert b"data: [DONE]" not in raw and b'"stream_broken"' in raw and why.encode() in raw
@@ -186,9 +180,7 @@ async def test_requests_that_cannot_be_continued_end_with_the_error_event(fresh,
 
 async def test_client_asking_for_token_ids_gets_them(fresh, proxy_factory):
     e = fresh
-    first_on_d0(e)
-    e["d0"].mode("die_mid_stream", after=5)
-    px = await factory(proxy_factory, make_cfg([], [e["d0"].url, e["d1"].url], canary_interval_s=60))
+    px = await failing_d0(e, proxy_factory, "die_mid_stream", after=5)
     raw, events = await stream(px.url, "/v1/completions", dict(COMPL, return_token_ids=True))
     ids = [t for ev in events for c in ev["choices"] for t in (c.get("token_ids") or [])]
     assert len(ids) == 20 and events[0]["choices"][0]["prompt_token_ids"] == text_ids(PROMPT)
