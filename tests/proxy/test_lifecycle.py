@@ -163,11 +163,9 @@ def standalone_args(e, port: int, internal: int) -> list:
             "--decode", e["d0"].url, "--decode", e["d1"].url, "--pd-min-prompt-tokens", "0"]
 
 
-# ----------------------------------------------------------------------------- socket activation
-def test_restart_with_held_sockets_refuses_nobody_and_breaks_no_stream(fresh):
-    """SIGTERM drains the old proxy while clients keep coming; the next process takes the same sockets:
-    every request of the run is answered in full (connections made in between wait in the backlog)."""
-    e = fresh
+def replaced_under_load(e, end) -> tuple:
+    """A proxy on sockets this test holds (as systemd would), under streaming load; ``end(proc)`` ends it and
+    the next process takes the same sockets. Returns (the first process, the clients' verdicts)."""
     for d in ("d0", "d1"):
         e[d].mode("ok", token_delay_s=0.05)
     pub, internal = listening(), listening()
@@ -177,16 +175,25 @@ def test_restart_with_held_sockets_refuses_nobody_and_breaks_no_stream(fresh):
     wait_ready(port, a)
     load = Clients(port)
     time.sleep(1.0)
-    a.send_signal(signal.SIGTERM)          # systemctl restart: stop (drain), then start the next one
-    a.wait(30)
+    end(a)
     b = spawn(args, [pub, internal])
     try:
         wait_ready(port, b)
         time.sleep(1.0)
-        res = load.result()
+        return a, load.result()
     finally:
         b.send_signal(signal.SIGTERM)
         b.wait(30)
+
+
+# ----------------------------------------------------------------------------- socket activation
+def test_restart_with_held_sockets_refuses_nobody_and_breaks_no_stream(fresh):
+    """SIGTERM drains the old proxy while clients keep coming; the next process takes the same sockets:
+    every request of the run is answered in full (connections made in between wait in the backlog)."""
+    def restart(a):
+        a.send_signal(signal.SIGTERM)          # systemctl restart: stop (drain), then start the next one
+        a.wait(30)
+    a, res = replaced_under_load(fresh, restart)
     print(f"restart with held sockets: {res}")
     assert a.returncode == 0, a.stderr.read()[-2000:]
     assert "sockets from systemd: internal, public" in a.stderr.read()
@@ -194,27 +201,11 @@ def test_restart_with_held_sockets_refuses_nobody_and_breaks_no_stream(fresh):
 
 
 def test_kill9_refuses_nobody_and_counts_the_cut_streams(fresh):
-    e = fresh
-    for d in ("d0", "d1"):
-        e[d].mode("ok", token_delay_s=0.05)
-    pub, internal = listening(), listening()
-    port, iport = pub.getsockname()[1], internal.getsockname()[1]
-    args = standalone_args(e, port, iport)
-    a = spawn(args, [pub, internal])
-    wait_ready(port, a)
-    load = Clients(port)
-    time.sleep(1.0)
-    a.kill()
-    a.wait(10)
-    time.sleep(0.5)                          # systemd's RestartSec: clients queue in the backlog meanwhile
-    b = spawn(args, [pub, internal])
-    try:
-        wait_ready(port, b)
-        time.sleep(1.0)
-        res = load.result()
-    finally:
-        b.send_signal(signal.SIGTERM)
-        b.wait(30)
+    def kill9(a):
+        a.kill()
+        a.wait(10)
+        time.sleep(0.5)                      # systemd's RestartSec: clients queue in the backlog meanwhile
+    _, res = replaced_under_load(fresh, kill9)
     print(f"kill -9 with held sockets: {res}")
     assert res["refused"] == 0 and res["other"] == 0 and res["ok"] > 10, res
     assert res["cut"] <= 4, res              # at most the streams the killed process was serving (4 clients)
