@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import time
 from pathlib import Path
 
 from tests.install.common import WHEELHOUSE, build_wheelhouse, install  # noqa: F401 (re-exported)
+from tests.waits import wait_until  # noqa: F401 (re-exported: the fault tests poll with it)
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PY = sys.executable
@@ -138,14 +138,3 @@ class Load:
     def result(self) -> dict:
         self.t.join()
         return self.out
-
-
-def wait_until(pred, timeout: float, interval: float = 0.2):
-    """First truthy ``pred()`` value, or None after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    return None

@@ -18,6 +18,7 @@ from dataclasses import replace
 import pytest
 
 from appliance.stack import Stack, twin_plan
+from tests.waits import read_to_close
 
 PROMPT = "hello " * 20
 LIMITS = dict(header_timeout_s=1.5, body_timeout_s=1.5, keepalive_timeout_s=3.0, send_timeout_s=5.0,
@@ -45,16 +46,7 @@ def raw(stack, data: bytes, timeout: float = 5.0, half_close: bool = True) -> by
                 s.shutdown(socket.SHUT_WR)
         except OSError:
             pass   # the server may answer and close before it has read everything: read what it said
-        out = b""
-        while True:
-            try:
-                c = s.recv(65536)
-            except (socket.timeout, OSError):
-                break
-            if not c:
-                break
-            out += c
-        return out
+        return read_to_close(s, quiet=True)
     finally:
         s.close()
 
@@ -302,13 +294,7 @@ def test_slow_clients_do_not_starve_others(stack):
         assert time.monotonic() - t0 < 10
         answers = []
         for s in socks:
-            buf = b""
-            while True:
-                c = s.recv(65536)
-                if not c:
-                    break
-                buf += c
-            answers.append(status_of(buf))
+            answers.append(status_of(read_to_close(s)))
         assert answers == [408] * 100, sorted(set(answers))
         assert time.monotonic() - t0 < LIMITS["header_timeout_s"] + 10
     finally:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from appliance.proxy import lifecycle
 from appliance.proxy.config import BackendSpec
+from tests.waits import read_to_close
 
 from .conftest import make_cfg
 from .test_cli import make_plan
@@ -129,12 +130,7 @@ class Clients:
         try:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-            got = b""
-            while True:
-                c = s.recv(65536)
-                if not c:
-                    break
-                got += c
+            got = read_to_close(s)
         except OSError as e:
             return f"cut:{e}"
         finally:
@@ -261,13 +257,7 @@ def test_sighup_rereads_the_plan_keeps_backends_and_drops_no_connection(fresh, t
             got += s.recv(65536)
         assert got.startswith(b"HTTP/1.1 200") and got.count(b"data: ") == 21 and b"[DONE]" in got
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")   # the same connection
-        tail = b""
-        while True:
-            c = s.recv(65536)
-            if not c:
-                break
-            tail += c
-        assert tail.startswith(b"HTTP/1.1 200")
+        assert read_to_close(s).startswith(b"HTTP/1.1 200")
         s.close()
         after = json.loads(get(f"http://127.0.0.1:{internal}/pdctl/status")[1])
         assert after["policy"] == "round-robin"

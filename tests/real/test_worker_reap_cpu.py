@@ -23,6 +23,8 @@ import time
 import httpx
 import pytest
 
+from tests.waits import wait_until
+
 from .conftest import L1_SIZE_GB, START_TIMEOUT_S
 from .stack import (CHUNK, EXT_HITS, LMC_HITS, LMC_WRITES, REPO, RealStack, complete, expected_hit_tokens,
                     free_ports, long_prompt, plan_for, scrape)
@@ -46,16 +48,6 @@ def _registered(http: httpx.Client, kv_http: str) -> set:
     r = http.get(kv_http + "/status")
     r.raise_for_status()
     return set(r.json().get("registered_non_cuda_instance_ids", []))
-
-
-def _wait(pred, timeout_s: float, interval: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -99,21 +91,21 @@ def test_idle_past_reap_and_grace_first_request_hits_and_does_not_hang(reap_stac
         # the proxy warms both workers (their heartbeats start), then goes away; yesterday's prompt is stored by
         # the prefiller only, so the decoder must load it from LMCache in the morning (not its own prefix cache)
         proxy = _start_proxy(stack, ports)
-        warm = _wait(lambda: all(http.get(internal + "/pdctl/status").json()["kv_warm"].values()), 60)
+        warm = wait_until(lambda: all(http.get(internal + "/pdctl/status").json()["kv_warm"].values()), 60, 1.0)
         assert warm, http.get(internal + "/pdctl/status").json()["kv_warm"]
         t_warm = time.monotonic()
         prompt = long_prompt(seed=4715)
         w0 = scrape(http, stack.kv_http, LMC_WRITES)
         p = complete(http, stack.url("prefill"), model, prompt, max_tokens=1)
         want = expected_hit_tokens(p["usage"]["prompt_tokens"])
-        assert _wait(lambda: scrape(http, stack.kv_http, LMC_WRITES) - w0 >= want // CHUNK, 20, 0.2), "not stored"
+        assert wait_until(lambda: scrape(http, stack.kv_http, LMC_WRITES) - w0 >= want // CHUNK, 20, 0.2), "not stored"
 
         # the control: another decoder, started now, that nothing warms (the proxy does not know it)
         d = stack.worker("decode")
         ctl_url = f"http://127.0.0.1:{ports['control']}"
         ctl = stack.spawn("control-decoder", _argv_with(d["argv"], "--port", str(ports["control"])), d["env"], ctl_url)
         stack.wait_http([ctl], "/health", START_TIMEOUT_S)
-        ctl_id = _wait(lambda: (_registered(http, stack.kv_http) - pd_ids) or None, 30)
+        ctl_id = wait_until(lambda: (_registered(http, stack.kv_http) - pd_ids) or None, 30, 1.0)
         assert ctl_id and len(ctl_id) == 1, ctl_id
         t_ctl = time.monotonic()
         stack.stop_one(proxy)                # the night: no canary, no warm-up, no traffic at all
