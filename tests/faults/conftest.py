@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness.fixture import skip_unless_available
-from tests.harness.nspawn import HarnessUnavailable, default_binds, down, up
+from tests.harness.fixture import booted_box, skip_unless_available
 
-from .common import GPUS, REPO, build_wheelhouse, install
+from .common import GPUS, build_wheelhouse, install
 
 
 @pytest.fixture(scope="package")
@@ -14,14 +13,7 @@ def bare_box():
     """A booted container with nothing installed (shared: tests that need a clean machine run first)."""
     skip_unless_available()
     build_wheelhouse()
-    try:
-        box = up(binds=default_binds(REPO))
-    except HarnessUnavailable as exc:
-        pytest.skip(f"systemd harness unavailable: {exc}")
-    try:
-        yield box
-    finally:
-        down(box)
+    yield from booted_box()
 
 
 @pytest.fixture(scope="package")

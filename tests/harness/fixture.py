@@ -21,10 +21,9 @@ def skip_unless_available() -> None:
         pytest.skip(f"systemd harness unavailable: {why}")
 
 
-@pytest.fixture(scope="module")
-def systemd_box():
-    """A booted container with the repo (and an out-of-repo venv) bound at the same paths; private network."""
-    skip_unless_available()
+def booted_box():
+    """Generator body of a box fixture: a booted container with the repo (and an out-of-repo venv) bound at the
+    same paths, private network; skips when it cannot boot, always torn down. Call skip_unless_available first."""
     try:
         box = up(binds=default_binds(REPO))
     except HarnessUnavailable as exc:
@@ -33,3 +32,10 @@ def systemd_box():
         yield box
     finally:
         down(box)
+
+
+@pytest.fixture(scope="module")
+def systemd_box():
+    """A booted container for one test module (see ``booted_box``)."""
+    skip_unless_available()
+    yield from booted_box()
