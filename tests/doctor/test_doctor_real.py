@@ -10,8 +10,7 @@ import sys
 
 import pytest
 
-from tests.real.stack import (REPO, RealStack, build_model, engines_missing_reason, engines_venv, free_ports,
-                              plan_for)
+from tests.real.stack import REPO, RealStack, build_model, engines_venv_or_skip, free_ports, plan_for
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 START_TIMEOUT_S = float(os.environ.get("PDCTL_REAL_START_TIMEOUT_S", "240"))
@@ -19,10 +18,7 @@ START_TIMEOUT_S = float(os.environ.get("PDCTL_REAL_START_TIMEOUT_S", "240"))
 
 @pytest.fixture(scope="module")
 def real_box(tmp_path_factory):
-    venv = engines_venv()
-    reason = engines_missing_reason(venv)
-    if reason:
-        pytest.skip(reason)
+    venv = engines_venv_or_skip()
     model_dir, _ = build_model(venv, tmp_path_factory.mktemp("tiny-model") / "tiny")
     workdir = tmp_path_factory.mktemp("doctor-real")
     keys = ["kv_zmq", "kv_http", "prefill_base", "decode_base", "proxy", "proxy_internal"]

@@ -372,12 +372,8 @@ def test_model_settings_keys_and_errors(tmp_path):
 @pytest.mark.real_engine
 @pytest.mark.slow
 def test_real_vllm_cpu_engine_starts_offline_from_the_fetched_snapshot(tmp_path):
-    from tests.real.stack import (RealStack, build_model, complete, engines_missing_reason, engines_venv,
-                                  free_ports)
-    venv = engines_venv()
-    reason = engines_missing_reason(venv)
-    if reason:
-        pytest.skip(reason)
+    from tests.real.stack import RealStack, build_model, complete, engines_venv_or_skip, free_ports
+    venv = engines_venv_or_skip()
     model_dir, _ = build_model(venv, tmp_path / "tiny")
     cache = tmp_path / "cache"
     with HubServer() as hub:

@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from .stack import (REPO, RealStack, TelemetrySink, build_model, engines_missing_reason, engines_venv,
-                    free_ports, plan_for)
+from .stack import REPO, RealStack, TelemetrySink, build_model, engines_venv_or_skip, free_ports, plan_for
 
 L1_SIZE_GB = 0.5   # LMCache allocates L1 eagerly on CPU hosts: keep it small
 # Engines are ready in ~35-40 s on an idle 2-core box; the bound allows for a busy one (CI shares cores).
@@ -23,11 +22,7 @@ START_TIMEOUT_S = float(os.environ.get("PDCTL_REAL_START_TIMEOUT_S", "240"))
 
 @pytest.fixture(scope="session")
 def engines_venv_dir():
-    venv = engines_venv()
-    reason = engines_missing_reason(venv)
-    if reason:
-        pytest.skip(reason)
-    return venv
+    return engines_venv_or_skip()
 
 
 @pytest.fixture(scope="session")

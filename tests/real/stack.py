@@ -45,6 +45,16 @@ def engines_missing_reason(venv: Path) -> str:
     return ""
 
 
+def engines_venv_or_skip() -> Path:
+    """The engines venv; skips the calling test, with the reason and the fix, when it cannot run the real stack."""
+    import pytest
+    venv = engines_venv()
+    reason = engines_missing_reason(venv)
+    if reason:
+        pytest.skip(reason)
+    return venv
+
+
 def free_ports(n: int) -> list[int]:
     """n distinct free loopback ports (held open together so they differ)."""
     socks = []

@@ -16,7 +16,7 @@ import pytest
 
 from tests.cache import CACHE  # outside /tmp and /root: the units must see the venv and the model
 from tests.harness.fixture import systemd_box  # noqa: F401  (module-scoped container fixture)
-from tests.real.stack import TINY_MODEL_SCRIPT, engines_missing_reason, engines_venv
+from tests.real.stack import TINY_MODEL_SCRIPT, engines_venv_or_skip
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICE_VENV = CACHE / "engines-svc"
@@ -73,10 +73,7 @@ def service_venv(src: Path) -> Path:
 @pytest.fixture(scope="module")
 def engines():
     """(service venv, model dir) ready for the container; skips when the engines venv is missing."""
-    src = engines_venv()
-    why = engines_missing_reason(src)
-    if why:
-        pytest.skip(why)
+    src = engines_venv_or_skip()
     if _python_minor(SYSTEM_PY) != _python_minor(str(src / "bin" / "python")):
         pytest.skip(f"{SYSTEM_PY} and {src}/bin/python differ in version: the service venv cannot share "
                     f"site-packages; build the engines venv with PDCTL_PYTHON={SYSTEM_PY}")
