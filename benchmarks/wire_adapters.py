@@ -29,8 +29,9 @@ for _p in (str(HERE.parent), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from appliance.proxy import cli as proxy_cli  # noqa: E402
-from appliance.proxy.app import ProxyServer, _error_body  # noqa: E402
+from appliance.proxy import cli as proxy_cli, routes  # noqa: E402
+from appliance.proxy.answers import error_body as _error_body  # noqa: E402
+from appliance.proxy.app import ProxyServer  # noqa: E402
 from appliance.wire.server import Response  # noqa: E402
 from wire_clients import install_client  # noqa: E402
 
@@ -63,7 +64,7 @@ async def start_core(server: ProxyServer, listen: bool) -> None:
 async def dispatch(server: ProxyServer, req):
     """The lean server's dispatch and handler-failure policy (500 in OpenAI's shape, or close once started)."""
     try:
-        return await server._public.get((req.method, req.path), server.h_unknown)(req)
+        return await server._public.get((req.method, req.path), lambda r: routes.unknown(server, r))(req)
     except (ConnectionResetError, BrokenPipeError):
         return None
     except Exception as e:  # noqa: BLE001
@@ -71,6 +72,35 @@ async def dispatch(server: ProxyServer, req):
         if req.started:
             raise
         return Response(_error_body(500, f"proxy internal error ({type(e).__name__})", "internal_error"), 500)
+
+
+async def dispatch_watched(server: ProxyServer, req, disconnected):
+    """``dispatch``, cancelled when ``disconnected()`` returns first (the client went away, as the lean server's
+    connection_lost does); None then, and when ``disconnected`` is None the request is not watched."""
+    if disconnected is None:
+        return await dispatch(server, req)
+    me = asyncio.current_task()
+
+    async def gone():
+        await disconnected()
+        if not req.done:
+            me.cancel()
+    w = asyncio.get_running_loop().create_task(gone())
+    try:
+        return await dispatch(server, req)
+    except asyncio.CancelledError:
+        return None
+    finally:
+        w.cancel()
+
+
+def merged_headers(pairs) -> dict:
+    """Request headers by lower-case name, repeated ones joined with ", " (as the lean server reads them)."""
+    h: dict = {}
+    for k, v in pairs:
+        k = k.lower()
+        h[k] = h[k] + ", " + v if k in h else v
+    return h
 
 
 def _too_large(max_body: int) -> Response:
@@ -87,10 +117,7 @@ class AsgiRequest:
     def __init__(self, scope, body: bytes, send):
         self.method, self.path, self.body, self._send = scope["method"], scope["path"], body, send
         self.query = scope.get("query_string", b"").decode("latin-1")
-        h: dict = {}
-        for k, v in scope["headers"]:
-            k, v = k.decode("latin-1").lower(), v.decode("latin-1")
-            h[k] = h[k] + ", " + v if k in h else v
+        h = merged_headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
         self.headers, self.started, self.keep_alive, self.done, self._start = h, False, True, False, None
 
     def stream(self, status: int, headers: dict) -> None:
@@ -154,23 +181,11 @@ class AsgiApp:
             if len(body) > self.max_body:
                 return await self._send_resp(AsgiRequest(scope, b"", send), _too_large(self.max_body))
         req = AsgiRequest(scope, body, send)
-        if not self.watch:
-            resp = await dispatch(self.s, req)
-        else:
-            me = asyncio.current_task()
 
-            async def gone():
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                if not req.done:
-                    me.cancel()
-            w = asyncio.get_running_loop().create_task(gone())
-            try:
-                resp = await dispatch(self.s, req)
-            except asyncio.CancelledError:
-                return
-            finally:
-                w.cancel()
+        async def disconnected():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        resp = await dispatch_watched(self.s, req, disconnected if self.watch else None)
         if resp is not None:
             await self._send_resp(req, resp)
 
@@ -193,10 +208,7 @@ class RsgiRequest:
 
     def __init__(self, scope, proto, body: bytes):
         self.method, self.path, self.query, self.body = scope.method, scope.path, scope.query_string, body
-        h: dict = {}
-        for k, v in scope.headers.items():
-            k = k.lower()
-            h[k] = h[k] + ", " + v if k in h else v
+        h = merged_headers(scope.headers.items())
         self.headers, self._proto, self.started, self.keep_alive, self.done, self._t = h, proto, False, True, \
             False, None
 
@@ -235,22 +247,7 @@ class RsgiApp:
             return self._resp(proto, _too_large(self.max_body))
         body = await proto()
         req = RsgiRequest(scope, proto, body)
-        if not self.watch:
-            resp = await dispatch(self.s, req)
-        else:
-            me = asyncio.current_task()
-
-            async def gone():
-                await proto.client_disconnect()
-                if not req.done:
-                    me.cancel()
-            w = asyncio.get_running_loop().create_task(gone())
-            try:
-                resp = await dispatch(self.s, req)
-            except asyncio.CancelledError:
-                return
-            finally:
-                w.cancel()
+        resp = await dispatch_watched(self.s, req, proto.client_disconnect if self.watch else None)
         if resp is not None:
             self._resp(proto, resp)
 
