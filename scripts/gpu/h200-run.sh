@@ -10,32 +10,14 @@ CONFIGS=${CONFIGS:-pd nokv agg}; RATES=${RATES:-1,2,5,10,20}; NUM=${NUM:-60}; WA
 # LOCAL_SMOKE=1: exercise this script's plumbing here with twin engines on fake GPUs (no device time)
 LOCAL_SMOKE=${LOCAL_SMOKE:-0}; GPUS=nvml; ENGINE=vllm; EXTRA_ARGS='["--load-format", "dummy"]'
 [ "$LOCAL_SMOKE" = 1 ] && { GPUS=fake:2xH200; ENGINE=twin; EXTRA_ARGS='[]'; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_USE_FLASHINFER_SAMPLER=0
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1
-T0=$(date +%s.%N)
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+T0=$(date +%s.%N)   # this run's log has tenths of a second (common.sh's el and fits are not used here)
 log() { echo "[$(python3 -c "import time;print(f'{time.time()-$T0:7.1f}s')")] $*" | tee -a "$OUT/run.log"; }
 
 # --- the Python tree (vLLM 0.26.0 + deps, lmcache 0.5.3, pdctl's few missing wheels) ------------------------
 if [ "$LOCAL_SMOKE" != 1 ]; then
-mkdir -p /tmp/stage; cp "$C2"/site.part.* /tmp/stage/ 2>/dev/null
-[ -f /tmp/stage/site.part.aa ] || { log "MISSING /tmp/stage/site.part.aa (machine went cold: stage c1 again)"; exit 3; }
-if [ ! -f /tmp/site/.ok ]; then
-  rm -rf /tmp/site; mkdir -p /tmp/site; cat /tmp/stage/site.part.* | xz -dc -T0 | tar -x -C /tmp/site || exit 4
-  touch /tmp/site/.ok
-fi
-if [ ! -f /tmp/site-lmc/.ok ]; then mkdir -p /tmp/site-lmc; xz -dc "$C2/lmc.tar.xz" | tar -x -C /tmp/site-lmc && touch /tmp/site-lmc/.ok; fi
-if [ ! -f /tmp/pdctl-site/.ok ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pdctl-site "$R"/.gpu/whl/*.whl \
-    && touch /tmp/pdctl-site/.ok
-fi
-export PYTHONPATH=/tmp/pdctl-site:/tmp/site-lmc:/tmp/site:$R
-# an "engine venv" whose bin/ holds the entry points pdctl's plan names (no venv exists on the device)
-EV=/tmp/ev; mkdir -p $EV/bin
-printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > $EV/bin/vllm
-printf '#!/bin/sh\nexec python3 -m lmcache.cli.main "$@"\n' > $EV/bin/lmcache
-printf '#!/bin/sh\nexec python3 -m appliance "$@"\n' > $EV/bin/pdctl
-chmod +x $EV/bin/*
-log "tree ready: $(python3 -c 'import vllm, lmcache; print("vllm", vllm.__version__)' 2>&1 | tail -1)"
+  stage_tree "$R/.gpu/whl"
+  log "tree ready: $(python3 -c 'import vllm, lmcache; print("vllm", vllm.__version__)' 2>&1 | tail -1)"
 else
   EV=$(dirname "$(dirname "$(command -v python3)")"); export PYTHONPATH=$R
 fi
@@ -59,26 +41,7 @@ trap stop_all EXIT
 
 run_config() {  # name, extra toml lines
   local name=$1 extra=$2 root=/tmp/root-$1
-  rm -rf "$root"; mkdir -p "$root/etc/pdctl"
-  cat > "$root/etc/pdctl/pdctl.toml" <<TOML
-schema_version = 1
-[install]
-gpus = "$GPUS"
-engine = "$ENGINE"
-model = "$MODEL"
-engine_venv = "$EV"
-venv = "$EV"
-[plan]
-served_model_name = "m"
-extra_engine_args = $EXTRA_ARGS
-$extra
-[workload]
-max_model_len = 10000
-[kv_server]
-l1_size_gb = 64
-[ports]
-proxy = 9000
-TOML
+  pdctl_toml "$root" "$GPUS" "$extra" 10000 64 $'[ports]\nproxy = 9000'
   python3 -m appliance install --root "$root" --dry-run > "$OUT/plan-$name.txt" 2>&1 || { log "plan $name failed"; cat "$OUT/plan-$name.txt"; return 1; }
   cp "$root/etc/pdctl/plan.json" "$OUT/plan-$name.json"
   local plan=$root/etc/pdctl/plan.json

@@ -23,59 +23,25 @@ NUM=${NUM:-30}; S_RATES=${S_RATES:-2,5}; COLD_RATES=${COLD_RATES:-1,4}; COLD_NUM
 C_RATES=${C_RATES:-2,5,10}; C_NUM=${C_NUM:-40}; AGG=${AGG:-2048}
 LOCAL_SMOKE=${LOCAL_SMOKE:-0}; ENGINE=vllm; NOKV_GPUS=nvml; EXTRA_ARGS='["--load-format", "dummy"]'
 [ "$LOCAL_SMOKE" = 1 ] && { ENGINE=twin; EXTRA_ARGS='[]'; NOKV_GPUS=fake:1xH200; MODEL=${SMOKE_MODEL:-$R/../shared/tools/gpu-h200/model-llama8b-shape}; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_USE_FLASHINFER_SAMPLER=0
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1
-T0=$(date +%s)
-el() { echo $(( $(date +%s) - T0 )); }
-log() { echo "[$(printf '%4d' "$(el)")s] $*" | tee -a "$OUT/run.log"; }
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 pack() { tar -czf /tmp/res-soft.tgz -C "$RES" . && mv /tmp/res-soft.tgz "$OUT/results.tgz"; }
-fits() { [ $(( $(el) + $1 )) -le "$BUDGET_S" ] || { log "SKIP $2: $(el) s used, ~$1 s needed, budget $BUDGET_S s"; return 1; }; }
 
-# --- the Python tree (as scripts/gpu/h200-run.sh) -------------------------------------------------------
 if [ "$LOCAL_SMOKE" != 1 ]; then
-mkdir -p /tmp/stage; cp "$C2"/site.part.* /tmp/stage/ 2>/dev/null
-[ -f /tmp/stage/site.part.aa ] || { log "MISSING /tmp/stage/site.part.aa (machine went cold: stage c1 again)"; exit 3; }
-if [ ! -f /tmp/site/.ok ]; then
-  rm -rf /tmp/site; mkdir -p /tmp/site; cat /tmp/stage/site.part.* | xz -dc -T0 | tar -x -C /tmp/site || exit 4
-  touch /tmp/site/.ok
-fi
-if [ ! -f /tmp/site-lmc/.ok ]; then mkdir -p /tmp/site-lmc; xz -dc "$C2/lmc.tar.xz" | tar -x -C /tmp/site-lmc && touch /tmp/site-lmc/.ok; fi
-if [ ! -f /tmp/pdctl-site/.ok ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pdctl-site "$R"/.gpu/whl/*.whl \
-    && touch /tmp/pdctl-site/.ok
-fi
-export PYTHONPATH=/tmp/pdctl-site:/tmp/site-lmc:/tmp/site:$R
-EV=/tmp/ev; mkdir -p $EV/bin
-printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > $EV/bin/vllm
-printf '#!/bin/sh\nexec python3 -m lmcache.cli.main "$@"\n' > $EV/bin/lmcache
-printf '#!/bin/sh\nexec python3 -m appliance "$@"\n' > $EV/bin/pdctl
-chmod +x $EV/bin/*
-log "tree ready: $(python3 -c 'import vllm, lmcache, importlib.metadata as m; print("vllm", vllm.__version__, "lmcache", m.version("lmcache"))' 2>&1 | tail -1)"
-{ nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader; python3 -V; } > "$RES/device.txt" 2>&1
-python3 -m appliance detect --gpus nvml --json > "$RES/detect-1xH200.json" 2> "$RES/detect.err"
+  stage_tree "$R/.gpu/whl"
+  log "tree ready: $(python3 -c 'import vllm, lmcache, importlib.metadata as m; print("vllm", vllm.__version__, "lmcache", m.version("lmcache"))' 2>&1 | tail -1)"
+  { nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader; python3 -V; } > "$RES/device.txt" 2>&1
+  python3 -m appliance detect --gpus nvml --json > "$RES/detect-1xH200.json" 2> "$RES/detect.err"
 else
   EV=$(dirname "$(dirname "$(command -v python3)")"); export PYTHONPATH=$R
 fi
 PD="python3 -m appliance"
 
-declare -A PID=()
-stop() {  # names...
-  for n in "$@"; do [ -n "${PID[$n]:-}" ] && kill -TERM "${PID[$n]}" 2>/dev/null; done
-  for n in "$@"; do p=${PID[$n]:-}; [ -z "$p" ] && continue
-    for i in $(seq 1 60); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done; kill -KILL "$p" 2>/dev/null; unset "PID[$n]"; done
-}
 gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
 wait_gpu_below() {  # MiB
   [ "$LOCAL_SMOKE" = 1 ] && return 0
   for i in $(seq 1 60); do u=$(gpu_used); [ "${u:-0}" -lt "$1" ] && break; sleep 1; done; log "GPU memory used now ${u:-?} MiB"
 }
 trap 'stop proxy both-1 both-0 kv; pack' EXIT
-wait_url() {  # url seconds name pidname
-  local t=$(date +%s)
-  for i in $(seq 1 "$2"); do curl -sf "$1" >/dev/null 2>&1 && { log "$3 up after $(( $(date +%s) - t )) s"; return 0; }
-    [ -n "${4:-}" ] && ! kill -0 "${PID[$4]}" 2>/dev/null && { log "$3 DIED"; return 1; }; sleep 1; done
-  log "$3 not up after $2 s"; return 1
-}
 snap() {  # tag: every counter the report needs, at this instant
   curl -s 127.0.0.1:9001/pdctl/status > "$RES/$1-status.json" 2>/dev/null
   curl -s 127.0.0.1:9000/metrics > "$RES/$1-proxy.txt" 2>/dev/null
@@ -84,27 +50,7 @@ snap() {  # tag: every counter the report needs, at this instant
   pack
 }
 mkconf() {  # root, gpus, extra [plan] lines
-  rm -rf "$1"; mkdir -p "$1/etc/pdctl"
-  cat > "$1/etc/pdctl/pdctl.toml" <<TOML
-schema_version = 1
-[install]
-gpus = "$2"
-engine = "$ENGINE"
-model = "$MODEL"
-engine_venv = "$EV"
-venv = "$EV"
-[plan]
-served_model_name = "m"
-extra_engine_args = $EXTRA_ARGS
-gpu_memory_utilization = $MEM
-$3
-[workload]
-max_model_len = 10000
-[kv_server]
-l1_size_gb = 32
-[ports]
-proxy = 9000
-TOML
+  pdctl_toml "$1" "$2" "gpu_memory_utilization = $MEM"$'\n'"$3" 10000 32 $'[ports]\nproxy = 9000'
 }
 # the planner's plan, made for two GPUs, moved onto GPU 0 (both workers): gpus [0], CUDA_VISIBLE_DEVICES=0
 one_gpu() {

@@ -24,53 +24,19 @@ CHAT_RATES=${CHAT_RATES:-5,10,20,40}; CHAT_NUM=${CHAT_NUM:-120}
 PROBE_LENS=${PROBE_LENS-2000 8000 16000}   # empty: no probes
 LOCAL_SMOKE=${LOCAL_SMOKE:-0}; ENGINE=vllm; GPUS=nvml; EXTRA_ARGS='["--load-format", "dummy"]'
 [ "$LOCAL_SMOKE" = 1 ] && { ENGINE=twin; EXTRA_ARGS='[]'; GPUS=fake:1xH200; MODEL=${SMOKE_MODEL:?SMOKE_MODEL=model dir}; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_USE_FLASHINFER_SAMPLER=0
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1
-T0=$(date +%s)
-el() { echo $(( $(date +%s) - T0 )); }
-log() { echo "[$(printf '%4d' "$(el)")s] $*" | tee -a "$OUT/run.log"; }
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 pack() { cp "$OUT/run.log" "$RES/" 2>/dev/null; tar -czf /tmp/res-twin.tgz -C "$RES" . && mv /tmp/res-twin.tgz "$OUT/results.tgz"; }
-fits() { [ $(( $(el) + $1 )) -le "$BUDGET_S" ] || { log "SKIP $2: $(el) s used, ~$1 s needed, budget $BUDGET_S s"; return 1; }; }
 
-# --- the Python tree (as scripts/gpu/h200-soft.sh) --------------------------------------------------------
 if [ "$LOCAL_SMOKE" != 1 ]; then
-mkdir -p /tmp/stage; cp "$C2"/site.part.* /tmp/stage/ 2>/dev/null
-[ -f /tmp/stage/site.part.aa ] || { log "MISSING /tmp/stage/site.part.aa (machine went cold: stage c1 again)"; exit 3; }
-if [ ! -f /tmp/site/.ok ]; then
-  rm -rf /tmp/site; mkdir -p /tmp/site; cat /tmp/stage/site.part.* | xz -dc -T0 | tar -x -C /tmp/site || exit 4
-  touch /tmp/site/.ok
-fi
-if [ ! -f /tmp/site-lmc/.ok ]; then mkdir -p /tmp/site-lmc; xz -dc "$C2/lmc.tar.xz" | tar -x -C /tmp/site-lmc && touch /tmp/site-lmc/.ok; fi
-if [ ! -f /tmp/pdctl-site/.ok ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pdctl-site "$GPUDIR"/whl/*.whl \
-    && touch /tmp/pdctl-site/.ok
-fi
-export PYTHONPATH=/tmp/pdctl-site:/tmp/site-lmc:/tmp/site:$R
-EV=/tmp/ev; mkdir -p $EV/bin
-printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > $EV/bin/vllm
-printf '#!/bin/sh\nexec python3 -m lmcache.cli.main "$@"\n' > $EV/bin/lmcache
-printf '#!/bin/sh\nexec python3 -m appliance "$@"\n' > $EV/bin/pdctl
-chmod +x $EV/bin/*
-log "tree ready: $(python3 -c 'import vllm, importlib.metadata as m; print("vllm", vllm.__version__, "lmcache", m.version("lmcache"))' 2>&1 | tail -1)"
-{ nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader; python3 -V; } > "$RES/device.txt" 2>&1
+  stage_tree "$GPUDIR/whl"
+  log "tree ready: $(python3 -c 'import vllm, importlib.metadata as m; print("vllm", vllm.__version__, "lmcache", m.version("lmcache"))' 2>&1 | tail -1)"
+  { nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader; python3 -V; } > "$RES/device.txt" 2>&1
 else
   EV=$(dirname "$(dirname "$(command -v python3)")"); export PYTHONPATH=$R
 fi
 PD="python3 -m appliance"
 
-declare -A PID=()
-stop() {  # names...
-  for n in "$@"; do [ -n "${PID[$n]:-}" ] && kill -TERM "${PID[$n]}" 2>/dev/null; done
-  for n in "$@"; do p=${PID[$n]:-}; [ -z "$p" ] && continue
-    for i in $(seq 1 60); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done; kill -KILL "$p" 2>/dev/null; unset "PID[$n]"; done
-}
 trap 'stop engine kv; pack' EXIT
-wait_url() {  # url seconds name pidname
-  local t=$(date +%s)
-  for i in $(seq 1 "$2"); do curl -sf "$1" >/dev/null 2>&1 && { log "$3 up after $(( $(date +%s) - t )) s"; return 0; }
-    [ -n "${4:-}" ] && ! kill -0 "${PID[$4]}" 2>/dev/null && { log "$3 DIED"; return 1; }; sleep 1; done
-  log "$3 not up after $2 s"; return 1
-}
 snap() {  # tag: the engine's and the KV server's counters at this instant
   curl -s 127.0.0.1:8300/metrics > "$RES/$1-engine.txt" 2>/dev/null
   curl -s 127.0.0.1:6080/metrics > "$RES/$1-lmcache.txt" 2>/dev/null
@@ -91,25 +57,7 @@ for s in json.load(open('$RES/bench-$tag.json')):
 }
 phase() {  # name, extra [plan] lines
   local name=$1 root=/tmp/root-$1
-  rm -rf "$root"; mkdir -p "$root/etc/pdctl"
-  cat > "$root/etc/pdctl/pdctl.toml" <<TOML
-schema_version = 1
-[install]
-gpus = "$GPUS"
-engine = "$ENGINE"
-model = "$MODEL"
-engine_venv = "$EV"
-venv = "$EV"
-[plan]
-served_model_name = "m"
-extra_engine_args = $EXTRA_ARGS
-gpu_memory_utilization = $MEM
-$2
-[workload]
-max_model_len = 20000
-[kv_server]
-l1_size_gb = 32
-TOML
+  pdctl_toml "$root" "$GPUS" "gpu_memory_utilization = $MEM"$'\n'"$2" 20000 32
   $PD install --root "$root" --dry-run > "$RES/plan-$name.txt" 2>&1 || { log "plan $name failed"; cat "$RES/plan-$name.txt"; return 1; }
   PLAN=$root/etc/pdctl/plan.json; cp "$PLAN" "$RES/plan-$name.json"
   local w=$(python3 -c "import json;print(json.load(open('$PLAN'))['workers'][0]['instance'])")
