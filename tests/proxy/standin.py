@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -58,13 +59,18 @@ def next_id(prev: int) -> int:
     return ANSWER_BASE + (prev * 7919 + 13) % 9000
 
 
-def answer(prompt_ids: list, n: int) -> str:
-    """The text of an n-token answer to ``prompt_ids`` (what tests compare with)."""
+def answer_ids(prompt_ids: list, n: int) -> list:
+    """The token ids of an n-token answer to ``prompt_ids``."""
     out, prev = [], (prompt_ids[-1] if prompt_ids else 0)
     for _ in range(n):
         prev = next_id(prev)
-        out.append(f" w{prev}")
-    return "".join(out)
+        out.append(prev)
+    return out
+
+
+def answer(prompt_ids: list, n: int) -> str:
+    """The text of an n-token answer to ``prompt_ids`` (what tests compare with)."""
+    return "".join(f" w{t}" for t in answer_ids(prompt_ids, n))
 
 
 def expected(body: dict, n: int) -> str:
@@ -162,6 +168,43 @@ class Engine:
                                                 "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
         return None
 
+    async def admit(self, request, body: dict, model_required: bool):
+        """A generation request's log entry and faults: the early answer (or cut) when one applies, else None."""
+        self.log.append({"path": request.path, "rid": request.headers.get("X-Request-Id", "none"), "body": body,
+                         "t": time.time()})
+        del self.log[:-500]
+        if self.mode == "die_before_first":      # modes are exclusive: no other fault applies
+            request.transport.abort()
+            await asyncio.sleep(0.05)
+            return web.Response()
+        return await self.faults_and_model(body, model_required=model_required)
+
+    @contextlib.asynccontextmanager
+    async def streaming(self, request):
+        """An SSE answer counted in ``active``; a handler cancelled because the client left counts in ``cancelled``."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        self.active += 1
+        try:
+            yield resp
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+    async def paced(self, request, i: int) -> bool:
+        """After answer token ``i`` (0-based): the mid-stream faults and the token delay; True when the stream
+        was cut (the handler returns at once)."""
+        if self.mode == "die_mid_stream" and i + 1 == self.cut_after:
+            request.transport.abort()
+            return True
+        if self.mode == "stall_mid_stream" and i + 1 == self.cut_after:
+            await self.hang_if("stall_mid_stream")
+        if self.token_delay_s:
+            await asyncio.sleep(self.token_delay_s)
+        return False
+
     async def tokenize(self, request):
         """vLLM's /tokenize shape; one id per whitespace-separated word (enough for routing tests)."""
         body = await request.json()
@@ -192,13 +235,7 @@ class Engine:
         raw = await request.read()
         body = json.loads(raw)
         rid = request.headers.get("X-Request-Id", "none")
-        self.log.append({"path": request.path, "rid": rid, "body": body, "t": time.time()})
-        del self.log[:-500]
-        if self.mode == "die_before_first":      # modes are exclusive: no other fault applies
-            request.transport.abort()
-            await asyncio.sleep(0.05)
-            return web.Response()
-        refused = await self.faults_and_model(body, model_required=True)
+        refused = await self.admit(request, body, model_required=True)
         if refused is not None:
             return refused
         prefix = "chatcmpl" if chat else "cmpl"
@@ -214,10 +251,7 @@ class Engine:
             pr = body.get("prompt")
             pids = list(pr) if isinstance(pr, list) and all(isinstance(t, int) for t in pr) else text_ids(
                 pr if isinstance(pr, str) else " ".join(map(str, pr or [])))
-        ans, prev = [], (pids[-1] if pids else 0)
-        for _ in range(n):
-            prev = next_id(prev)
-            ans.append(prev)
+        ans = answer_ids(pids, n)
         want_ids = bool(body.get("return_token_ids"))
         usage = {"prompt_tokens": len(pids), "total_tokens": len(pids) + n, "completion_tokens": n}
         if not body.get("stream"):
@@ -236,10 +270,7 @@ class Engine:
                                                   "stamp": rid} if n == 1 else None}
             self.generated += n
             return web.json_response(ans_obj)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await resp.prepare(request)
-        self.active += 1
-        try:
+        async with self.streaming(request) as resp:
             if chat:    # vLLM's first chat chunk: the role, and the prompt ids at the top level
                 ch = {"id": vid, "object": "chat.completion.chunk", "created": created, "model": MODEL,
                       "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -260,13 +291,8 @@ class Engine:
                                        else None, "token_ids": [t] if want_ids else None}]}
                 await resp.write(b"data: " + json.dumps(ch).encode() + b"\n\n")
                 self.generated += 1
-                if self.mode == "die_mid_stream" and i + 1 == self.cut_after:
-                    request.transport.abort()
+                if await self.paced(request, i):
                     return resp
-                if self.mode == "stall_mid_stream" and i + 1 == self.cut_after:
-                    await self.hang_if("stall_mid_stream")
-                if self.token_delay_s:
-                    await asyncio.sleep(self.token_delay_s)
             if (body.get("stream_options") or {}).get("include_usage"):
                 ch = {"id": vid, "object": "chat.completion.chunk" if chat else "text_completion",
                       "created": created, "model": MODEL, "choices": [], "usage": usage}
@@ -274,11 +300,6 @@ class Engine:
             if self.mode != "no_done":
                 await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
-        finally:
-            self.active -= 1
         return resp
 
 
@@ -310,14 +331,7 @@ class ResponsesAPI:
         e = self.e
         raw = await request.read()
         body = json.loads(raw)
-        rid = request.headers.get("X-Request-Id", "none")
-        e.log.append({"path": request.path, "rid": rid, "body": body, "t": time.time()})
-        del e.log[:-500]
-        if e.mode == "die_before_first":
-            request.transport.abort()
-            await asyncio.sleep(0.05)
-            return web.Response()
-        refused = await e.faults_and_model(body, model_required=False)
+        refused = await e.admit(request, body, model_required=False)
         if refused is not None:
             return refused
         resp_id = body.get("request_id") or f"resp_{os.urandom(8).hex()}"
@@ -333,10 +347,7 @@ class ResponsesAPI:
         n = min(int(body.get("max_output_tokens") or 4), 256)
         if e.telemetry and n == 1 and not body.get("stream"):
             asyncio.get_running_loop().create_task(e._post_store_finished(f"{resp_id}-0-8d6b96cd"))
-        ans, prev_id = [], (pids[-1] if pids else 0)
-        for _ in range(n):
-            prev_id = next_id(prev_id)
-            ans.append(prev_id)
+        ans = answer_ids(pids, n)
         text = "".join(f" w{t}" for t in ans)
         msg = {"id": "msg_1", "content": [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}],
                "role": "assistant", "status": "completed", "type": "message"}
@@ -350,12 +361,9 @@ class ResponsesAPI:
         e.generated += n
         if not body.get("stream"):
             return web.json_response(done)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await resp.prepare(request)
-        e.active += 1
         seq = iter(range(1 << 30))
         started = dict(done, output=[], status="in_progress", usage=None)
-        try:
+        async with e.streaming(request) as resp:
             await resp.write(_sse_event("response.created", {"type": "response.created", "response": started,
                                                              "sequence_number": next(seq)}))
             await resp.write(_sse_event("response.in_progress", {"type": "response.in_progress",
@@ -367,13 +375,8 @@ class ResponsesAPI:
                 await resp.write(_sse_event("response.output_text.delta", {
                     "type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0,
                     "content_index": 0, "delta": f" w{t}", "logprobs": [], "sequence_number": next(seq)}))
-                if e.mode == "die_mid_stream" and i + 1 == e.cut_after:
-                    request.transport.abort()
+                if await e.paced(request, i):
                     return resp
-                if e.mode == "stall_mid_stream" and i + 1 == e.cut_after:
-                    await e.hang_if("stall_mid_stream")
-                if e.token_delay_s:
-                    await asyncio.sleep(e.token_delay_s)
             await resp.write(_sse_event("response.output_text.done", {
                 "type": "response.output_text.done", "item_id": "msg_1", "output_index": 0, "content_index": 0,
                 "text": text, "logprobs": [], "sequence_number": next(seq)}))
@@ -383,11 +386,6 @@ class ResponsesAPI:
                 await resp.write(_sse_event("response.completed", {"type": "response.completed", "response": done,
                                                                    "sequence_number": next(seq)}))
             await resp.write_eof()
-        except asyncio.CancelledError:
-            e.cancelled += 1
-            raise
-        finally:
-            e.active -= 1
         return resp
 
     async def retrieve(self, request):
