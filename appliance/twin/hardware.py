@@ -13,12 +13,14 @@ Sources:
 - Host link: PCIe Gen4 x16 = 32 GB/s per direction, Gen5 x16 = 64 GB/s per direction (PCI-SIG). The
   H200 spike in ``reference/gpu-h200.md`` measured LMCache L1->GPU loads at 43 GB/s and stores at
   54 GB/s over Gen5, i.e. 67-84 % of the per-direction peak.
-- Memory totals: what NVML reports (MiB), same as ``appliance.inventory.fake.GPU_KINDS``.
+- NVML names and memory totals: what NVML reports, taken from ``appliance.inventory.fake.GPU_KINDS``.
 - Idle power: typical ``nvidia-smi`` idle readings for SXM boards (used only by the twin GPU samples).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from appliance.inventory.fake import GPU_KINDS
 
 MiB = 1024**2
 
@@ -43,23 +45,24 @@ class Hardware:
         return asdict(self)
 
 
+def _board(name: str, kind: str, **datasheet) -> Hardware:
+    """A profile whose NVML name and memory total are the fake inventory's ``kind`` (one owner of what NVML
+    reports); the rest from the datasheet."""
+    nvml_name, memory_mib, _ = GPU_KINDS[kind]
+    return Hardware(name=name, nvml_name=nvml_name, memory_bytes=memory_mib * MiB, **datasheet)
+
+
 PROFILES: dict[str, Hardware] = {
-    "a100-80gb": Hardware(
-        name="a100-80gb", nvml_name="NVIDIA A100-SXM4-80GB", memory_bytes=81920 * MiB,
-        bf16_flops=312e12, hbm_bytes_per_s=2.039e12, host_link_bytes_per_s=32e9,
-        tdp_w=400.0, idle_w=60.0, source="NVIDIA A100 datasheet (SXM4 80GB); PCIe Gen4 x16"),
-    "h100-80gb": Hardware(
-        name="h100-80gb", nvml_name="NVIDIA H100 80GB HBM3", memory_bytes=81559 * MiB,
-        bf16_flops=989e12, hbm_bytes_per_s=3.35e12, host_link_bytes_per_s=64e9,
-        tdp_w=700.0, idle_w=70.0, source="NVIDIA H100 datasheet (SXM5); PCIe Gen5 x16"),
-    "h200": Hardware(
-        name="h200", nvml_name="NVIDIA H200", memory_bytes=143771 * MiB,
-        bf16_flops=989e12, hbm_bytes_per_s=4.8e12, host_link_bytes_per_s=64e9,
-        tdp_w=700.0, idle_w=75.0, source="NVIDIA H200 datasheet (SXM); PCIe Gen5 x16"),
-    "b200": Hardware(
-        name="b200", nvml_name="NVIDIA B200", memory_bytes=183359 * MiB,
-        bf16_flops=2.25e15, hbm_bytes_per_s=8.0e12, host_link_bytes_per_s=64e9,
-        tdp_w=1000.0, idle_w=120.0, source="NVIDIA HGX B200 datasheet; PCIe Gen5 x16 host link"),
+    "a100-80gb": _board("a100-80gb", "A100-80GB", bf16_flops=312e12, hbm_bytes_per_s=2.039e12,
+                        host_link_bytes_per_s=32e9, tdp_w=400.0, idle_w=60.0,
+                        source="NVIDIA A100 datasheet (SXM4 80GB); PCIe Gen4 x16"),
+    "h100-80gb": _board("h100-80gb", "H100-80GB", bf16_flops=989e12, hbm_bytes_per_s=3.35e12,
+                        host_link_bytes_per_s=64e9, tdp_w=700.0, idle_w=70.0,
+                        source="NVIDIA H100 datasheet (SXM5); PCIe Gen5 x16"),
+    "h200": _board("h200", "H200", bf16_flops=989e12, hbm_bytes_per_s=4.8e12, host_link_bytes_per_s=64e9,
+                   tdp_w=700.0, idle_w=75.0, source="NVIDIA H200 datasheet (SXM); PCIe Gen5 x16"),
+    "b200": _board("b200", "B200", bf16_flops=2.25e15, hbm_bytes_per_s=8.0e12, host_link_bytes_per_s=64e9,
+                   tdp_w=1000.0, idle_w=120.0, source="NVIDIA HGX B200 datasheet; PCIe Gen5 x16 host link"),
 }
 
 ALIASES = {
