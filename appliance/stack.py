@@ -104,6 +104,14 @@ class Stack:
         self.wait_http(f"{self.proxy_url}/ready", ready_timeout, "proxy /ready")
         return self
 
+    def started(self, ready_timeout: float = 60.0) -> "Stack":
+        """``start``; when it fails, what it had started is stopped before the error goes on."""
+        try:
+            return self.start(ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
     def wait_http(self, url: str, timeout: float, what: str) -> None:
         names = {pr.pid: name for name, pr in self.procs.items()}
 
@@ -152,10 +160,4 @@ class Stack:
 def start_twin_stack(gpus: str = "fake:4xH200", model: str = _d("install", "model"), workdir: Path | None = None,
                      **kw) -> Stack:
     wd = Path(workdir or tempfile.mkdtemp(prefix="pdctl-stack-"))
-    plan = twin_plan(gpus, model, wd, **kw)
-    st = Stack(plan=plan, workdir=wd)
-    try:
-        return st.start()
-    except BaseException:
-        st.stop()
-        raise
+    return Stack(plan=twin_plan(gpus, model, wd, **kw), workdir=wd).started()

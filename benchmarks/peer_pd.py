@@ -79,12 +79,7 @@ def pdctl_stack(workdir: Path, scale: float) -> Stack:
     roles = [w.role for w in plan.workers]
     if set(roles) != {"both"}:
         raise SystemExit(f"the default plan is no longer all-both ({roles}); this benchmark compares that family")
-    st = Stack(plan=plan, workdir=workdir)
-    try:
-        return st.start()
-    except BaseException:
-        st.stop()
-        raise
+    return Stack(plan=plan, workdir=workdir).started()
 
 
 def router_stack(workdir: Path, scale: float) -> Stack:
