@@ -64,14 +64,19 @@ def test_waiter_ignores_junk():
         assert w.handle(junk)[0] == 0
 
 
-async def test_decode_leg_waits_for_the_store(spawn, fresh, proxy_factory):
+async def with_telemetry_prefiller(spawn, fresh, proxy_factory, kv_wait_s: float) -> tuple:
+    """(prefiller, proxy): a stand-in prefiller whose KV the proxy waits for (up to ``kv_wait_s``) before d0."""
     from appliance.proxy.config import BackendSpec
     pre = spawn()
-    # a telemetry-posting prefiller (as with LMCACHE_REQUEST_TELEMETRY_TYPE=fastapi), 0.3 s store delay
-    cfg = make_cfg([], [fresh["d0"].url], canary_interval_s=60, kv_wait_s=2.0)
+    cfg = make_cfg([], [fresh["d0"].url], canary_interval_s=60, kv_wait_s=kv_wait_s)
     cfg = cfg.__class__(**{**cfg.__dict__, "backends": (BackendSpec(pre.url, "prefill", "prefill-0", True),)
                            + cfg.backends})
-    px = await proxy_factory(cfg)
+    return pre, await proxy_factory(cfg)
+
+
+async def test_decode_leg_waits_for_the_store(spawn, fresh, proxy_factory):
+    # a telemetry-posting prefiller (as with LMCACHE_REQUEST_TELEMETRY_TYPE=fastapi), 0.3 s store delay
+    pre, px = await with_telemetry_prefiller(spawn, fresh, proxy_factory, kv_wait_s=2.0)
     pre.call("/_control", {"mode": "ok", "store_delay_s": 0.3,
                            "telemetry": px.internal + "/api/v1/telemetry"})
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
@@ -89,12 +94,7 @@ async def test_decode_leg_waits_for_the_store(spawn, fresh, proxy_factory):
 
 
 async def test_store_wait_is_bounded_and_the_timeout_counted(spawn, fresh, proxy_factory):
-    from appliance.proxy.config import BackendSpec
-    pre = spawn()
-    cfg = make_cfg([], [fresh["d0"].url], canary_interval_s=60, kv_wait_s=0.2)
-    cfg = cfg.__class__(**{**cfg.__dict__, "backends": (BackendSpec(pre.url, "prefill", "prefill-0", True),)
-                           + cfg.backends})
-    px = await proxy_factory(cfg)
+    pre, px = await with_telemetry_prefiller(spawn, fresh, proxy_factory, kv_wait_s=0.2)
     pre.call("/_control", {"store_delay_s": 5.0, "telemetry": px.internal + "/api/v1/telemetry"})
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         t0 = time.monotonic()
