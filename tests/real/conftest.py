@@ -1,4 +1,7 @@
-"""Session fixtures for the real-engine tests: tiny model, Plan, and the running LMCache + P + D stack.
+"""Fixtures of the real-engine tests: the tiny model (once per session), and the running LMCache + P + D stack
+and its proxy (once per test module: one real-engine stack runs at a time; a session-long stack kept two idle
+vLLM engines polling the 2 cores through every later module, which slowed the next stacks until the proxy's
+hung-worker bound tripped on them, and the twin's timing tests).
 
 Everything here is skipped (with the reason and the fix) when the engines venv is absent; create it with
 ``scripts/install-engines.sh cpu .venv-engines`` or point ``PDCTL_ENGINES_VENV`` at one.
@@ -10,8 +13,11 @@ import json
 import os
 import sys
 import time
+import urllib.request
 
 import pytest
+
+from tests.waits import wait_until
 
 from .stack import REPO, RealStack, TelemetrySink, build_model, engines_venv_or_skip, free_ports, plan_for
 
@@ -44,7 +50,7 @@ def tiny_model_dir(engines_venv_dir, tmp_path_factory, real_report):
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_stack(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report):
     """LMCache server + vLLM prefiller + decoder, started from ``pdctl plan --engine vllm-cpu`` argv/env.
 
@@ -84,7 +90,20 @@ def _dev_shm() -> set:
         return set()
 
 
-@pytest.fixture(scope="session")
+def _status(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return {}
+
+
+def _all_warm(url: str) -> bool:
+    warm = _status(url).get("kv_warm") or {}
+    return bool(warm) and all(warm.values())
+
+
+@pytest.fixture(scope="module")
 def real_proxy(real_stack, real_report):
     """The real pdctl proxy in front of the real engines, from the same Plan (``pdctl proxy --config``).
 
@@ -102,6 +121,12 @@ def real_proxy(real_stack, real_report):
     proc = real_stack.spawn("proxy", argv, env, f"http://127.0.0.1:{public}", inherit_env=False)
     real_stack.wait_http([proc], "/ready", 60)
     real_report["proxy_ready_s"] = round(time.monotonic() - t0, 1)
+    # The proxy warms each worker's LMCache heartbeat once it is admitted (proxy/warmup.py): one store and one
+    # retrieve of its own. The tests count KV hits per request, so they start once that traffic is over.
+    status_url = f"http://127.0.0.1:{internal_port}/pdctl/status"
+    warm = wait_until(lambda: _all_warm(status_url), 120, 0.5)
+    assert warm, f"the proxy's KV warm-up did not finish in 120 s: {_status(status_url).get('kv_warm')}"
+    time.sleep(1.0)      # the engines' and the KV server's counters of that warm-up are scraped after it ends
     real_stack.sink.forward_to = f"http://127.0.0.1:{internal_port}"
     try:
         yield proc
