@@ -11,6 +11,10 @@
 #         --aggregate-max-uncached 0 --split-idle-max-running 1000 (every request split)
 #   conn  both-1 stopped; both-0 (LMCache connector, prefix caching on) benched directly on :8300
 #   nokv  everything stopped; the same engine from a plan with kv_connector = false, benched the same way
+#   one   everything stopped; pdctl's own default plan for the one GPU (no counts: what `install` would run) with
+#         its KV server and the adaptive proxy on its defaults; the seed P50 profile at O_RATES straight to the
+#         engine, through :9000, and straight again (A-B-A, other prompts of the same profile each time): what the
+#         proxy costs on real hardware (issue 23's "TTFT p50 at 1 req/s within 10 % of one aggregated engine")
 # The planner refuses two workers on one GPU, so the plan is made for fake:2xH200 and patched here: both
 # workers get gpus [0] and CUDA_VISIBLE_DEVICES=0 (their --gpu-memory-utilization is MEM each).
 # Everything it starts is stopped by PID; results are packed into $OUT/results.tgz after every step, so a
@@ -21,6 +25,7 @@ MODEL=$C2/model
 PHASES=${PHASES:-soft conn nokv}; MEM=${MEM:-0.40}; BUDGET_S=${BUDGET_S:-570}
 NUM=${NUM:-30}; S_RATES=${S_RATES:-2,5}; COLD_RATES=${COLD_RATES:-1,4}; COLD_NUM=${COLD_NUM:-16}; D_NUM=${D_NUM:-10}
 C_RATES=${C_RATES:-2,5,10}; C_NUM=${C_NUM:-40}; AGG=${AGG:-2048}
+O_RATES=${O_RATES:-1,2,5}; O_NUM=${O_NUM:-40}; O_MEM=${O_MEM:-0.85}
 LOCAL_SMOKE=${LOCAL_SMOKE:-0}; ENGINE=vllm; NOKV_GPUS=nvml; EXTRA_ARGS='["--load-format", "dummy"]'
 [ "$LOCAL_SMOKE" = 1 ] && { ENGINE=twin; EXTRA_ARGS='[]'; NOKV_GPUS=fake:1xH200; MODEL=${SMOKE_MODEL:-$R/../shared/tools/gpu-h200/model-llama8b-shape}; }
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -41,7 +46,7 @@ wait_gpu_below() {  # MiB
   [ "$LOCAL_SMOKE" = 1 ] && return 0
   for i in $(seq 1 60); do u=$(gpu_used); [ "${u:-0}" -lt "$1" ] && break; sleep 1; done; log "GPU memory used now ${u:-?} MiB"
 }
-trap 'stop proxy both-1 both-0 kv; pack' EXIT
+trap 'stop proxy both-1 both-0 kv ${OW:-}; pack' EXIT
 snap() {  # tag: every counter the report needs, at this instant
   curl -s 127.0.0.1:9001/pdctl/status > "$RES/$1-status.json" 2>/dev/null
   curl -s 127.0.0.1:9000/metrics > "$RES/$1-proxy.txt" 2>/dev/null
@@ -140,5 +145,25 @@ if [[ " $PHASES " == *" nokv "* ]] && fits 170 nokv; then
     bench nokv http://127.0.0.1:8300 21 "$C_RATES" "$C_NUM" 10 --profile seed-p50; snap n1
   else tail -40 "$RES/nokv-both-0.log"; fi
   stop both-0
+fi
+# --- one: pdctl's default plan on the one GPU, through the proxy vs straight to its engine ---------------
+if [[ " $PHASES " == *" one "* ]] && fits 240 one; then
+  wait_gpu_below 2000
+  ROOT=/tmp/root-one; MEM=$O_MEM mkconf $ROOT "$NOKV_GPUS" ""          # no counts: the planner's default family
+  $PD install --root $ROOT --dry-run > "$RES/plan-one.txt" 2>&1 || { log "plan one failed"; cat "$RES/plan-one.txt"; exit 5; }
+  PLAN=$ROOT/etc/pdctl/plan.json; cp $PLAN "$RES/plan-one.json"; BPLAN=$PLAN
+  log "plan: $(grep -E '^  (both|prefill|decode|KV|proxy)|^plan:' "$RES/plan-one.txt" | tr -s ' ' | tr '\n' ';')"
+  read -r OW OPORT < <(python3 -c "import json; w = json.load(open('$PLAN'))['workers']; print(w[0]['instance'], w[0]['port']) if len(w) == 1 else print('many', 0)")
+  [ "$OW" = many ] && { log "the default plan has more than one worker on one GPU: not this phase"; exit 5; }
+  $PD kvserver run --plan $PLAN > "$RES/one-kv.log" 2>&1 & PID[kv]=$!
+  $PD worker run "$OW" --plan $PLAN > "$RES/one-$OW.log" 2>&1 & PID[$OW]=$!
+  wait_url 127.0.0.1:$OPORT/health 400 "$OW" "$OW" || { tail -40 "$RES/one-$OW.log"; exit 6; }
+  grep -h -E "KV cache size|Maximum concurrency" "$RES/one-$OW.log" | cut -c1-220 | tee -a "$OUT/run.log"
+  start_proxy || exit 7
+  snap o0
+  bench one-direct-a http://127.0.0.1:$OPORT 31 "$O_RATES" "$O_NUM" 10 --profile seed-p50; snap o1
+  bench one-proxy http://127.0.0.1:9000 32 "$O_RATES" "$O_NUM" 10 --profile seed-p50; snap o2
+  fits 100 one-direct-b && { bench one-direct-b http://127.0.0.1:$OPORT 33 "$O_RATES" "$O_NUM" 10 --profile seed-p50; snap o3; }
+  stop proxy "$OW" kv
 fi
 log "END"
