@@ -137,6 +137,13 @@ def backend_state(box, port: int) -> str:
     return "absent"
 
 
+def all_warm(box) -> bool:
+    """Every worker's KV warm-up done (proxy/warmup.py: a store and a retrieve of its own after each (re)admission)."""
+    res = jobs(box, {"op": "get", "url": PROXY_INTERNAL + "/pdctl/status"})[0]
+    warm = res.get("json", {}).get("kv_warm") or {}
+    return bool(warm) and all(warm.values())
+
+
 # --- install -> pd.target ready --------------------------------------------------------------------
 def test_install_vllm_cpu_until_ready(box, engines):
     venv, model, _ = engines
@@ -162,6 +169,8 @@ def test_install_vllm_cpu_until_ready(box, engines):
 
 # --- traffic through :9000 with the openai client ----------------------------------------------------
 def test_openai_client_completions_and_chat_long_prompts(box):
+    wait_for(lambda: all_warm(box), 120, 0.5, "the proxy's KV warm-up of both workers")   # its hits are not ours
+    time.sleep(1.0)
     before = counters(box)
     res = jobs(box, complete(PROXY, prompt(101)), complete(PROXY, prompt(102), stream=True),
                chat(PROXY, prompt(103)), chat(PROXY, prompt(104), stream=True))
@@ -257,7 +266,10 @@ def test_kill_decoder_engine_systemd_restarts_proxy_readmits(box):
     TIMINGS["decoder_restart_active_s"] = round(time.monotonic() - t0, 1)
     wait_for(lambda: backend_state(box, 8200) == "closed", 60, 0.5, "the proxy to re-admit the decoder")
     TIMINGS["decoder_readmitted_s"] = round(time.monotonic() - t0, 1)
-    # a long request: the new decoder moves KV, which starts LMCache's worker heartbeat (needed below)
+    # the proxy warms the re-admitted decoder's LMCache heartbeat with a retrieve of its own: count after it
+    wait_for(lambda: all_warm(box), 120, 0.5, "the proxy's KV warm-up of the restarted decoder")
+    time.sleep(1.0)
+    # a long request through the restarted decoder: its KV comes from LMCache
     before_c = counters(box)
     res = one(box, complete(PROXY, prompt(150)))
     d = delta(before_c, counters(box))
