@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .config import default as _d
+from .config_schema import default as _d
 
 AGGREGATE = "aggregate"
 SPLIT = "split"

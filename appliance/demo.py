@@ -14,7 +14,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .config import default
+from .config_schema import default
 from .wire.fetch import fetch_sync
 
 SYSTEM_PROMPTS = [

@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 from . import constants as C
 from .hub_report import TOKEN_KEY, ModelFetchError, Null, bar_class, scrubbed
-from .config import default as _d
+from .config_schema import default as _d
 
 MARKER_DIR = ".pdctl-verified"     # <cache>/models--org--name/.pdctl-verified/<revision>.json
 SPACE_MARGIN = 16 * 1024**2        # headroom on top of the missing bytes (locks, refs, metadata; or 1 %)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from . import constants as C
-from .config import default as _d, schema_fields
+from .config_schema import default as _d, schema_fields
 
 # Proxy settings that travel from pdctl.toml through plan.json into the running proxy unchanged, under the
 # same names in ProxyPlan and proxy.config.ProxyConfig (section in pdctl.toml -> keys).

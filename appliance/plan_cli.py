@@ -9,7 +9,7 @@ import json
 import sys
 
 from .cliargs import add_plan_flags, gpus_arg, print_plan, settings_from_args
-from .config import default
+from .config_schema import default
 from .errors import EXIT_OK, CliError
 
 

@@ -12,7 +12,7 @@ from . import constants as C
 from .engine_flags import DEFAULT_CPU_VERSION, DEFAULT_GPU_VERSION, flags_for
 from .inventory import GPU, Inventory
 from .models import ModelProfile
-from .config import SCHEMA, default as _d, schema_fields
+from .config_schema import SCHEMA, default as _d, schema_fields
 from .decide import Thresholds
 from .kv_plan import server_plan
 from .plan import KVServerPlan, Plan, ProxyPlan, WorkerPlan

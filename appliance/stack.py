@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import constants as C
-from .config import default as _d
+from .config_schema import default as _d
 from .inventory import detect
 from .localproc import wait_http
 from .models import resolve as resolve_model

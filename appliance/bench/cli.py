@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from appliance import constants as C
-from appliance.config import default as _d
+from appliance.config_schema import default as _d
 from appliance.wire.fetch import fetch
 
 from . import BenchError

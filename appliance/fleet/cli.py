@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import constants as C
 from ..errors import EXIT_BAD, EXIT_FAIL, EXIT_OK
-from ..config import default as _d
+from ..config_schema import default as _d
 from .plan import DEFAULT_POLICY, POLICIES, FleetError, make_fleet_plan
 
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import constants as C
-from ..config import default as _d
+from ..config_schema import default as _d
 from .routing import POLICIES
 from .config import BackendSpec, ProxyConfig, from_plan
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import constants as C
-from ..config import default as _d, schema_fields
+from ..config_schema import default as _d, schema_fields
 from ..decide import Thresholds
 from ..plan import PROXY_TUNING
 

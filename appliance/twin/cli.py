@@ -9,7 +9,7 @@ import math
 import sys
 
 from appliance import constants as C
-from appliance.config import default as _d
+from appliance.config_schema import default as _d
 from appliance.models import ModelError
 
 from .hardware import PROFILES, HardwareError

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from appliance.config import default as _d
+from appliance.config_schema import default as _d
 from appliance.models import ModelProfile
 
 from .hardware import Hardware

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from appliance import constants as C
-from appliance.config import default as _d
+from appliance.config_schema import default as _d
 from appliance.models import resolve as resolve_model
 
 from . import gpus, kvpath, tokens

@@ -33,7 +33,7 @@ import math
 import random
 from typing import Optional, Sequence
 
-from appliance.config import default as _d
+from appliance.config_schema import default as _d
 from appliance.models import ModelProfile, resolve as resolve_model
 
 from .costmodel import CostModel, CostParams, EngineConfig

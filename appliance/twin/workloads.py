@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from appliance.config import default as _d
+from appliance.config_schema import default as _d
 
 
 class SimError(ValueError):

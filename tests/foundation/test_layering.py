@@ -19,9 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # module-level cycles that exist today, each with why it is not cut here; a cycle not listed fails the test,
 # and so does an entry whose cycle is gone (delete it then)
 ALLOWED_CYCLES = {
-    frozenset({"appliance.config", "appliance.plan"}):
-        "plan.py takes its defaults from the config schema and config.load_plan builds a Plan (lazily); both "
-        "files belong to the config-schema work of issue 22 item 4",
     frozenset({"appliance.planner", "appliance.families"}):
         "planner imports families at its end, families imports planner's Overrides/Workload/PlanError; cut "
         "when planner's dataclasses move to a leaf module (issue 22, the planner split)",

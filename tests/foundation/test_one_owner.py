@@ -1,6 +1,6 @@
 """One owner per fact: paths, ports, URLs, env names and config defaults are written down once.
 
-constants.py owns ports, paths, URLs and env names; the config schema (appliance/config.py) owns every settings
+constants.py owns ports, paths, URLs and env names; the config schema (appliance/config_schema.py) owns every settings
 default. This test reads the source of appliance/ and tui/ (string and number literals, docstrings and comments
 excluded) and names file:line wherever one of those facts is spelled out again instead of taken from its owner.
 """
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from appliance.config import SCHEMA
+from appliance.config_schema import SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("appliance", "tui")
 CONSTANTS = "appliance/constants.py"
-CONFIG = "appliance/config.py"
+CONFIG = "appliance/config_schema.py"
 
 # text that must not appear inside a string literal outside its owner: (text, owner, what to use instead)
 TEXTS = (
@@ -227,7 +227,7 @@ def test_other_values_and_prose_pass(tmp_path):
 
 def test_the_carriers_of_settings_start_from_the_schema():
     """What travels from pdctl.toml to a running service defaults to the schema's value on every hop."""
-    from appliance.config import default
+    from appliance.config_schema import default
     from appliance.decide import Thresholds
     from appliance.plan import PROXY_TUNING, ProxyPlan
     from appliance.planner import Workload
