@@ -4,12 +4,12 @@ will not come up, named with why and its journal lines.
 from __future__ import annotations
 
 import time
-import urllib.request
 
 from . import constants as C
 from .errors import CliError
 from .host import info, journal_tail, unit_state
 from .plan import Plan
+from .wire.fetch import fetch_sync
 
 # systemd's own exit statuses for a start that failed before the program ran (systemd.exec(5) "Process
 # exit codes": 200 CHDIR .. 243 CREDENTIALS, e.g. 203 EXEC, 217 USER, 226 NAMESPACE): a restart cannot fix them
@@ -53,13 +53,9 @@ def wait_ready(plan: Plan, timeout: float) -> bool:
             all_active = all_active and state == "active"
             states.append(f"{u.replace('.service', '')}={state}" + (f" ({text})" if text and state != "active" else ""))
         if all_active:   # ready = every unit up and a real request through the roles (/ready's canary)
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        info(f"ready after {time.monotonic() - t0:.0f} s: {url} answered 200")
-                        return True
-            except OSError:
-                pass
+            if fetch_sync(url, timeout_s=2.0).status == 200:
+                info(f"ready after {time.monotonic() - t0:.0f} s: {url} answered 200")
+                return True
         line = ", ".join(states)
         now = time.monotonic()
         if line != last or now - last_t >= HEARTBEAT_S:
