@@ -3,7 +3,8 @@ classic P/D layouts by goodput (the highest rate holding the TTFT p95 and TPOT p
 
 Pure: the ranking is the twin's seeded discrete-event simulation (no I/O), cached per process because the
 same inputs give the same answer. The planner (``planner.make_plan``) calls ``asked_counts`` or
-``default_counts``; ``pdctl plan --what-if`` and the benchmarks use ``plan_workload`` and the constants.
+``default_counts``; ``pdctl plan --what-if`` and the benchmarks use ``plan_workload``, ``plan_prompts``,
+``predicted_of`` and the constants.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def asked_counts(n: int, tp: int, n_gpus: int, ov: Overrides, reasons: list) -> 
                         f"--prefill 1 --decode {n - 1}")
     if p + d + b < n:
         reasons.append(f"{n - p - d - b} worker slot(s) left idle: --prefill {p} --decode {d} --both {b} asked")
-    reasons.append(f"{describe(p, d, b)} as asked")
+    reasons.append(f"{describe(p, d, b)} " + (f"chosen by {ov.counts_by}" if ov.counts_by else
+                                               "as asked by the operator (--prefill/--decode/--both or [plan])"))
     return p, d, b
 
 
@@ -61,9 +63,17 @@ def default_counts(n: int, tp: int, gpus: list, model: ModelProfile, work: Workl
     return best.prefill, best.decode, best.both, predicted
 
 
-PLAN_RATES = (1, 2, 4, 8, 16, 32, 64, 128)   # asked req/s ladder of the family ranking (then bisected)
-PLAN_PROMPTS = 300                            # simulated prompts per rate, at least PLAN_WINDOW_S of arrivals
-PLAN_WINDOW_S = 24.0                          # > 2x the E2E of the seed's 252-token answers
+PLAN_RATES = (1, 2, 4, 8, 16, 32, 64, 128)   # asked req/s ladder of the family ranking (binary-searched for
+PLAN_REFINE = 3                               # the last rate that holds), then this many bisection steps
+PLAN_PROMPTS = 600                            # simulated prompts per rate, at least PLAN_WINDOW_S of arrivals:
+PLAN_WINDOW_S = 40.0                          # shorter runs past capacity end before their queue grows
+
+
+def plan_prompts(rate: float) -> int:
+    """max(PLAN_PROMPTS, PLAN_WINDOW_S of arrivals): what one rate simulates in the family ranking, what-if
+    and benchmarks/policy_study.py (one rule, so their goodputs agree)."""
+    from .bench.whatif import prompts_for
+    return prompts_for(rate, PLAN_PROMPTS, PLAN_WINDOW_S)
 
 
 def plan_workload(work: Workload):
@@ -99,7 +109,7 @@ def _rank_families(gpu_name: str, n_gpus: int, model: ModelProfile, work: Worklo
     try:
         w = what_if_engines(gpu_name, n_gpus, model.name, wl, PLAN_RATES, slo_ttft_p95_s=work.ttft_slo_s,
                             policy=policy, tp=tp, num_prompts=PLAN_PROMPTS, seed=2003, kv_size_gb=80.0,
-                            objective="max-rate-under-slo", refine=3, family="all",
+                            objective="max-rate-under-slo", refine=PLAN_REFINE, family="all",
                             slo_tpot_p95_ms=work.tpot_slo_ms, thresholds=thresholds,
                             min_window_s=PLAN_WINDOW_S)
     except (BenchError, ValueError, KeyError) as exc:
@@ -107,15 +117,25 @@ def _rank_families(gpu_name: str, n_gpus: int, model: ModelProfile, work: Worklo
     best = w.recommended
     if best is None:
         return f"no family holds the SLOs at {PLAN_RATES[0]} req/s"
+    return best, w.rows, predicted_of(w, workload_shape(work))
+
+
+def workload_shape(work: Workload) -> str:
+    return (f"{work.prefix_len}+{work.input_len - work.prefix_len} in / {work.output_len} out"
+            + (f", {work.cold_share:.0%} cold {work.cold_input_len} in / {work.cold_output_len} out"
+               if work.cold_share else ""))
+
+
+def predicted_of(w, shape: str) -> dict:
+    """plan.json's ``"predicted"`` from a what-if ranking (``bench.whatif.WhatIf``) with a recommended row:
+    its goodput and delivered ceiling, and the latencies and aggregated share (0..1) at the highest ladder
+    rate that held."""
+    best = w.recommended
     at = max((p for p in best.points if p.under_slo), key=lambda p: p.asked)
-    shape = (f"{work.prefix_len}+{work.input_len - work.prefix_len} in / {work.output_len} out"
-             + (f", {work.cold_share:.0%} cold {work.cold_input_len} in / {work.cold_output_len} out"
-                if work.cold_share else ""))
-    predicted = {"by": "twin", "family": best.family, "kind": best.kind, "policy": policy,
-                 "goodput_req_s": round(best.max_rate_under_slo, 2), "ceiling_req_s": round(best.ceiling, 2),
-                 "at_req_s": at.asked, "ttft_p50_s": round(at.ttft_p50_s, 3), "ttft_p95_s": round(at.ttft_p95_s, 3),
-                 "tpot_p95_ms": round(at.tpot_p95_ms, 1), "aggregated_share": round(at.aggregated, 3),
-                 "slo": {"ttft_p95_s": work.ttft_slo_s, "tpot_p95_ms": work.tpot_slo_ms}, "workload": shape,
-                 "hardware": w.hardware, "ranking": [{"family": r.family, "goodput_req_s": round(r.max_rate_under_slo, 2)}
-                                                     for r in w.rows]}
-    return best, w.rows, predicted
+    return {"by": "twin", "family": best.family, "kind": best.kind, "policy": w.policy,
+            "goodput_req_s": round(best.max_rate_under_slo, 2), "ceiling_req_s": round(best.ceiling, 2),
+            "at_req_s": at.asked, "ttft_p50_s": round(at.ttft_p50_s, 3), "ttft_p95_s": round(at.ttft_p95_s, 3),
+            "tpot_p95_ms": round(at.tpot_p95_ms, 1), "aggregated_share": round(at.aggregated, 3),
+            "slo": {"ttft_p95_s": w.slo_ttft_p95_s, "tpot_p95_ms": w.slo_tpot_p95_ms}, "workload": shape,
+            "hardware": w.hardware, "ranking": [{"family": r.family, "goodput_req_s": round(r.max_rate_under_slo, 2)}
+                                                for r in w.rows]}

@@ -50,7 +50,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_from_settings(s)
     if whatif:
         from dataclasses import replace
-        plan = replace(plan, reasons=plan.reasons + (whatif,))
+        reason, predicted = whatif
+        plan = replace(plan, reasons=plan.reasons + (reason,), predicted=predicted)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
@@ -58,28 +59,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _what_if_split(args: argparse.Namespace, s) -> str:
-    """Rank every plan family (all-both, hybrids, P/D) on the twin, print the table, and plan the winner."""
+def _what_if_split(args: argparse.Namespace, s) -> tuple[str, dict]:
+    """Rank every plan family (all-both, hybrids, P/D) on the twin, print the table, and plan the winner:
+    (the reason, plan.json's ``"predicted"``). The same ladder, bisection and windows as the planner's own
+    ranking (``families``), so both report the same goodput."""
     from .bench.cli import parse_rates
     from .bench.whatif import render, what_if
     from .bench.workload import load_profile
-    from .families import PLAN_WINDOW_S, plan_workload
+    from .families import PLAN_REFINE, PLAN_WINDOW_S, plan_workload, predicted_of, workload_shape
     from .inventory import detect
-    from .plan_settings import planner_inputs
+    from .plan_settings import WHAT_IF_SOURCE, planner_inputs
     from .twin.simulator import Workload as SimWorkload
     if s.get("plan", "prefill") or s.get("plan", "decode") or s.get("plan", "both"):
         raise CliError("--what-if chooses the plan family itself: drop --prefill/--decode/--both")
     work, ov = planner_inputs(s)
     if args.what_if_profile == "config":
-        wl = plan_workload(work)
+        wl, shape = plan_workload(work), workload_shape(work)
     else:
         prof = load_profile(args.what_if_profile)
         wl = SimWorkload(prof.input_len, prof.prefix_len, prof.output_len)
+        shape = f"{prof.prefix_len}+{prof.input_len - prof.prefix_len} in / {prof.output_len} out"
+    if args.what_if_num_prompts < 1:
+        raise CliError("--sim-prompts must be >= 1")
     slo = args.what_if_slo if args.what_if_slo is not None else work.ttft_slo_s
     w = what_if(detect(s.get("install", "gpus")), s.get("install", "model"), wl, parse_rates(args.what_if_rates),
                 slo_ttft_p95_s=slo, policy=s.get("proxy", "policy"), tp=max(1, s.get("plan", "tp")),
                 num_prompts=args.what_if_num_prompts, objective=args.what_if_objective, family="all",
-                slo_tpot_p95_ms=work.tpot_slo_ms, thresholds=ov.thresholds, min_window_s=PLAN_WINDOW_S)
+                slo_tpot_p95_ms=work.tpot_slo_ms, thresholds=ov.thresholds, min_window_s=PLAN_WINDOW_S,
+                refine=PLAN_REFINE)
     print(render(w), file=sys.stderr if args.json else sys.stdout)
     rec = w.recommended
     if rec is None:
@@ -87,9 +94,10 @@ def _what_if_split(args: argparse.Namespace, s) -> str:
                        "the SLOs ([workload] ttft_slo_s, tpot_slo_ms) or add GPUs")
     v = s.values["plan"]
     v["prefill"], v["decode"], v["both"] = rec.prefill, rec.decode, rec.both
-    s.sources["plan.prefill"] = s.sources["plan.decode"] = s.sources["plan.both"] = "what-if"
+    s.sources["plan.prefill"] = s.sources["plan.decode"] = s.sources["plan.both"] = WHAT_IF_SOURCE
     return (f"{rec.family} chosen by the twin's what-if ({args.what_if_objective}): highest rate with TTFT p95 "
-            f"under {slo:g} s and TPOT p95 under {work.tpot_slo_ms:g} ms ({rec.max_rate_under_slo:.3g} req/s)")
+            f"under {slo:g} s and TPOT p95 under {work.tpot_slo_ms:g} ms ({rec.max_rate_under_slo:.3g} req/s, "
+            f"delivered ceiling {rec.ceiling:.3g} req/s)"), predicted_of(w, shape)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -123,8 +131,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "and plan with the recommended one")
     from .bench.cli import add_what_if_flags
     add_what_if_flags(p, prefix="what_if_")
-    p.set_defaults(what_if_slo=None, what_if_rates="1,2,4,8,16,32,64", what_if_profile="config",
-                   what_if_num_prompts=300)   # the plan's own SLOs and workload ([workload] keys) unless given
+    from .families import PLAN_PROMPTS, PLAN_RATES
+    p.set_defaults(what_if_slo=None, what_if_rates=",".join(map(str, PLAN_RATES)), what_if_profile="config",
+                   what_if_num_prompts=PLAN_PROMPTS)   # the plan's own SLOs, workload ([workload] keys) and
+    #                                                    the ranking's ladder and windows unless given
     p.add_argument("--list-models", action="store_true", help="list the model registry")
     p.set_defaults(func=cmd_plan)
 

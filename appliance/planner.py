@@ -30,7 +30,7 @@ class PlanError(ValueError):
 class Workload:
     """Traffic the plan is sized for (default: the seed's P50 profile), and the SLOs it must hold: one field per
     key of [workload] in pdctl.toml (input_len, prefix_len, output_len, max_model_len, ttft_slo_s, tpot_slo_ms,
-    cold_share, cold_input_len, cold_output_len), defaults from the config schema."""
+    cold_share, cold_input_len, cold_output_len, peak_rate), defaults from the config schema."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Overrides:
     decode_port_base: int = _d("ports", "decode_base")
     both_port_base: int = _d("ports", "both_base")
     choose_family: bool = True     # no counts given: rank the families on the twin (False: the fixed rule)
+    counts_by: str = ""            # who chose prefill/decode/both when not the operator (the plan's reason says)
     thresholds: Thresholds = Thresholds()   # the adaptive policy's (config [proxy]); the ranking uses them too
     policy: str = _d("proxy", "policy")
     heartbeat_s: float = _d("kv_server", "heartbeat_s")

@@ -12,7 +12,8 @@ Variants: round-robin 1P2D (the seed); static families under the first round's `
 (the twin ranks all-both, hybrids and P/D splits) under the ``adaptive`` policy.
 
 Goodput = the highest asked rate at which TTFT p95 and TPOT p95 hold their SLOs with no failures, found on
-a rate ladder and refined by bisection. Each rate simulates max(600 prompts, 40 s of arrivals): a shorter
+a rate ladder and refined by bisection. Each rate simulates max(600 prompts, 40 s of arrivals)
+(``families.plan_prompts``, the rule the planner's ranking and ``pdctl plan --what-if`` use too): a shorter
 run past capacity ends before its queue has grown and reads as holding (see benchmarks/README.md).
 Ceiling = delivered req/s (completed / time to the last completion) at 60 req/s asked, 600 prompts.
 
@@ -30,11 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.inventory import detect  # noqa: E402
 from appliance.models import resolve as resolve_model  # noqa: E402
-from appliance.families import plan_workload  # noqa: E402
+from appliance.families import PLAN_PROMPTS, PLAN_WINDOW_S, plan_prompts, plan_workload  # noqa: E402
 from appliance.planner import Overrides, Workload as PlanWorkload, make_plan  # noqa: E402
 from appliance.twin.simulator import simulate  # noqa: E402
 
-WINDOW_S = 40.0
 LADDER = (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60)
 NVML = {"a100-80gb": "A100-80GB", "h200": "H200", "h100-80gb": "H100", "b200": "B200"}
 WORKLOADS = {
@@ -58,7 +58,7 @@ def variants(hardware: str, gpus: int, model: str, work: PlanWorkload) -> list:
 
 def run_rate(hardware, model, v, wl, rate, seed):
     _, p, d, b, pol = v
-    n = max(600, math.ceil(rate * WINDOW_S))
+    n = plan_prompts(rate)
     return simulate(hardware, model, p, d, wl, [rate], num_prompts=n, policy=pol, seed=seed, both=b)[0]
 
 
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         work, res = study(a.hardware, a.gpus, a.model, name, a.seed, show)
         base = single_engine_ttft_p50(a.hardware, a.model, plan_workload(work), a.seed)
         print(f"policy study: {a.gpus} x {a.hardware}, {a.model}, workload {name}, twin simulator, "
-              f"max(600 prompts, {WINDOW_S:g} s) per rate ({time.monotonic() - t0:.1f} s)")
+              f"max({PLAN_PROMPTS} prompts, {PLAN_WINDOW_S:g} s) per rate ({time.monotonic() - t0:.1f} s)")
         print(report(name, work, res, show, base))
         print()
     return 0

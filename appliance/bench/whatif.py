@@ -40,7 +40,7 @@ class RatePoint:
     failed: int
     under_slo: bool
     tpot_p95_ms: float = 0.0
-    aggregated: float = 0.0             # share of requests the policy served on one worker (no P leg)
+    aggregated: float = 0.0             # share of requests the policy served on one worker (no P leg), 0..1
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ class SplitResult:
     decode: int
     tp: int
     points: tuple                       # RatePoint per asked rate
-    ceiling: float                      # highest delivered req/s over the asked rates
+    ceiling: float                      # highest delivered req/s over the asked rates (family="all": also over
+    #                                     the bisection's runs and a run at 2x the knee)
     max_rate_under_slo: float           # highest rate with TTFT p95 <= SLO and no failures (0: none), refined
     #                                     by bisection between the last asked rate that held and the next one
     recommended: bool = False
@@ -136,6 +137,13 @@ def families(n_engines: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def prompts_for(rate: float, num_prompts: int, min_window_s: float) -> int:
+    """Prompts one simulated rate runs: ``num_prompts``, or more to fill ``min_window_s`` of arrivals (a short
+    run past capacity ends before its queue grows and reads as holding). The planner's numbers for it are
+    ``families.PLAN_PROMPTS`` / ``PLAN_WINDOW_S`` (``families.plan_prompts``)."""
+    return max(num_prompts, math.ceil(rate * min_window_s)) if math.isfinite(rate) else num_prompts
+
+
 def what_if(inventory, model: str, workload=Workload(), rates: Sequence[float] = (1, 2, 5, 10, 20),
             *, slo_ttft_p95_s: float = 3.5, policy: str = "round-robin", tp: int = 1, num_prompts: int = 600,
             seed: int = 2003, kv_size_gb: float = 80.0, objective: str = "max-rate-under-slo",
@@ -145,9 +153,13 @@ def what_if(inventory, model: str, workload=Workload(), rates: Sequence[float] =
 
     ``family="pd"``: every P/D split (also on fewer engines), the first round's what-if. ``family="all"``:
     all-both, hybrids and P/D splits on all engines (``families``), each under ``policy`` (the adaptive
-    one by default in the planner). With a TPOT SLO a rate holds only when both SLOs hold; overload then
-    shows as TPOT growth, so the knee is not capped at the delivered ceiling (which a finite run's drain
-    understates for engines that keep admitting)."""
+    one by default in the planner). With a TPOT SLO a rate holds only when both SLOs hold. ``family="all"``
+    runs each rate alone with at least ``min_window_s`` of arrivals (``prompts_for``: a run past capacity
+    must last long enough for its queue to grow, or it reads as holding), binary-searches the ladder
+    (unsimulated rates show as ``-``) and measures the ceiling past capacity too (a run at 2x the knee). The
+    knee is not capped at that ceiling: "delivered" counts the last requests' drain (long answers weigh on
+    it), and some stacks deliver less past capacity than they hold under the SLO (the adaptive policy's
+    1P3B with cold prompts on 4x H200 holds 16.5 req/s on 160 s windows, and delivers ~11 at 2x)."""
     return _what_if(_gpu_setup(inventory, tp), model, workload, rates, slo_ttft_p95_s=slo_ttft_p95_s,
                     policy=policy, tp=tp, num_prompts=num_prompts, seed=seed, kv_size_gb=kv_size_gb,
                     objective=objective, refine=refine, family=family, slo_tpot_p95_ms=slo_tpot_p95_ms,
@@ -194,7 +206,7 @@ def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_
 
     def sim(p: int, d: int, b: int, rs: Sequence[float]) -> list:
         # at least ``min_window_s`` of arrivals per rate: a short run past capacity ends before its queue grows
-        n = max(num_prompts, math.ceil(max(rs) * min_window_s)) if len(rs) == 1 else num_prompts
+        n = prompts_for(max(rs), num_prompts, min_window_s) if len(rs) == 1 else num_prompts
         try:
             return simulate(hw, model, p, d, workload, rs, num_prompts=n, policy=policy, seed=seed,
                             engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb, both=b, **extra)
@@ -206,10 +218,11 @@ def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_
         return ok and (slo_tpot_p95_ms is None or s["p95_tpot_ms"] <= slo_tpot_p95_ms)
 
     def point(r: float, s: dict) -> RatePoint:
-        agg = sum(v for k, v in s.get("decisions", {}).items() if k.startswith("aggregate:"))
+        dec = s.get("decisions", {})    # one decision per request: the share is of the requests this run had
+        agg = sum(v for k, v in dec.items() if k.startswith("aggregate:"))
         return RatePoint(asked=r, delivered=s["request_throughput"], ttft_p50_s=s["p50_ttft_ms"] / 1000,
                          ttft_p95_s=s["p95_ttft_ms"] / 1000, failed=s["failed"], under_slo=holds(s),
-                         tpot_p95_ms=s["p95_tpot_ms"], aggregated=agg / max(1, num_prompts))
+                         tpot_p95_ms=s["p95_tpot_ms"], aggregated=agg / max(1, sum(dec.values())))
 
     shapes = [(p, d, 0) for p, d in splits(n_engines)] if family == "pd" else families(n_engines)
     if policy == "round-robin":   # the seed's proxy always takes a P leg: no family without a prefiller
@@ -218,13 +231,14 @@ def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_
     for p, d, b in shapes:
         if family == "pd":
             pts = tuple(point(r, s) for r, s in zip(rates, sim(p, d, b, rates)))
-        else:   # stop at the first rate that misses: higher ones cannot hold (saves the planner's time)
-            got = []
-            for r in rates:
-                got.append(point(r, sim(p, d, b, [r])[0]))
-                if not got[-1].under_slo:
-                    break
-            pts = tuple(got)
+        else:   # binary search of the ladder for the last rate that holds: below a rate that held every rate
+            #     holds, above one that missed every rate misses (the low rates simulate longest)
+            got, lo, hi = {}, -1, len(rates)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                got[mid] = point(rates[mid], sim(p, d, b, [rates[mid]])[0])
+                lo, hi = (mid, hi) if got[mid].under_slo else (lo, mid)
+            pts = tuple(got[i] for i in sorted(got))
         ok = [i for i, pt in enumerate(pts) if pt.under_slo]
         best_ok = pts[ok[-1]].asked if ok else 0.0
         ceiling = max(pt.delivered for pt in pts)
@@ -235,10 +249,17 @@ def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_
             lo, hi = best_ok, (nxt if slo_tpot_p95_ms is not None else min(nxt, max(best_ok, ceiling)))
             for _ in range(refine):
                 mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if holds(sim(p, d, b, [mid])[0]) else (lo, mid)
+                s = sim(p, d, b, [mid])[0]
+                if family != "pd":
+                    ceiling = max(ceiling, s["request_throughput"])
+                lo, hi = (mid, hi) if holds(s) else (lo, mid)
             best_ok = lo
+            if family != "pd" and pts[-1].asked < 2 * best_ok:
+                # the ceiling past capacity: a run just above the knee is still draining its short queue when
+                # it ends (delivered well under what the engines do), so one run reaches 2x the knee
+                ceiling = max(ceiling, sim(p, d, b, [2 * best_ok])[0]["request_throughput"])
         rows.append(SplitResult(p, d, tp, pts, ceiling, best_ok,
-                                holds_all=bool(ok) and ok[-1] == len(rates) - 1, both=b))
+                                holds_all=bool(ok) and pts[ok[-1]].asked == rates[-1], both=b))
 
     def key(r: SplitResult):
         at = max((p for p in r.points if p.under_slo), key=lambda p: p.asked, default=None)
@@ -288,7 +309,8 @@ def render(w: WhatIf) -> str:
                f"req/s under the SLO, ceiling {rec.ceiling:.2f} req/s)" if rec else "no split meets the SLO")
     if any(r.holds_all for r in w.rows):
         out.append(">= : held at every asked rate; ask higher --rates to find where it stops")
-    out.append("! = over the SLO (or failures) at that rate; - = not simulated (a lower rate already missed); "
+    out.append("! = over the SLO (or failures) at that rate; - = not simulated (below a rate that held, or above "
+               "one that missed); "
                "ceiling = highest delivered req/s; nB = kv_both engines (soft roles), nP/nD = prefill/decode")
     out.extend(f"note: {n}" for n in w.notes)
     return "\n".join(out)

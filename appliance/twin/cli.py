@@ -46,6 +46,17 @@ def _rates(text: str) -> list[float]:
     return out
 
 
+def _count(text: str) -> int:
+    """argparse type: an engine count >= 0 (argparse's message names the flag)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of engines") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} engines; give 0 or more")
+    return v
+
+
 def _engine_cfg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=_d("plan", "max_num_seqs"))
     p.add_argument("--max-num-batched-tokens", type=int, default=_d("plan", "max_num_batched_tokens"))
@@ -66,14 +77,22 @@ def register(subparsers) -> None:
     s = sub.add_parser("simulate", help="discrete-event simulation of a PD stack over request rates")
     s.add_argument("--hardware", default="a100-80gb", help=f"one of {', '.join(PROFILES)}")
     s.add_argument("--model", default=_d("install", "model"))
-    s.add_argument("--prefill", type=int, default=1)
-    s.add_argument("--decode", type=int, default=2)
+    s.add_argument("--prefill", type=_count, default=None,
+                   help="dedicated prefillers (kv_producer); default 1, or 0 with --both")
+    s.add_argument("--decode", type=_count, default=None,
+                   help="decoders (kv_consumer); default 2, or 0 with --both")
+    s.add_argument("--both", type=_count, default=0,
+                   help="engines that serve any leg or a whole request (kv_both, soft roles): the default plan "
+                        "on 3x A100 is --both 3 --policy adaptive")
     s.add_argument("--input-len", type=int, default=_d("workload", "input_len"))
     s.add_argument("--prefix-len", type=int, default=_d("workload", "prefix_len"))
     s.add_argument("--output-len", type=int, default=_d("workload", "output_len"))
     s.add_argument("--rates", type=_rates, default=[1.0, 2.0, 5.0, 10.0, 20.0])
     s.add_argument("--num-prompts", type=int, default=600)
-    s.add_argument("--policy", choices=["round-robin", "pdctl"], default="round-robin")
+    s.add_argument("--policy", choices=("round-robin", "pdctl", "adaptive"),   # simulator.POLICIES
+                   default="round-robin",
+                   help="round-robin (the seed's proxy), pdctl (the first round's skip rule) or adaptive (what "
+                        "pdctl plans: appliance/decide.py per request)")
     s.add_argument("--skip-uncached-max", type=int, default=512,
                    help="pdctl policy: skip the P leg when at most this many prompt tokens are uncached")
     s.add_argument("--kv-size-gb", type=float, default=80.0)
@@ -81,7 +100,7 @@ def register(subparsers) -> None:
     s.add_argument("--setup", choices=["auto", *sorted(SETUP_NAMES)], default="auto",
                    help="engine mode + store-notify source: seed = --enforce-eager + the seed's proxy (the A100 "
                    "fit); pdctl = CUDA graphs + pdctl telemetry + prefix caching (what pdctl plan runs); "
-                   "auto = seed for --policy round-robin, pdctl for --policy pdctl")
+                   "auto = pdctl for --policy pdctl, else seed (what pdctl plan ranks families with)")
     s.add_argument("--json", action="store_true", help="print a list of vllm-bench-serve-shaped summaries")
     _engine_cfg_args(s)
     s.set_defaults(func=cmd_simulate)
@@ -135,12 +154,22 @@ def cmd_simulate(a) -> int:
     from .hardware import resolve as resolve_hw
     from .simulator import SimError, Workload, simulate
     setup = a.setup if a.setup != "auto" else ("pdctl" if a.policy == "pdctl" else "seed")
+    alone = a.both and a.prefill is None and a.decode is None   # --both N alone: N engines that do both
+    prefill = a.prefill if a.prefill is not None else (0 if alone else 1)
+    decode = a.decode if a.decode is not None else (0 if alone else 2)
+    if a.policy == "round-robin" and prefill < 1:
+        print("pdctl twin simulate: --policy round-robin (the seed's proxy) sends every request's P leg to a "
+              "prefiller: give --prefill 1 or more, or --policy adaptive", file=sys.stderr)
+        return 2
+    if decode + a.both < 1 and not (a.policy == "adaptive" and prefill):
+        print("pdctl twin simulate: no engine decodes: give --decode or --both (1 or more)", file=sys.stderr)
+        return 2
     try:
         params = CostParams.for_setup(setup, resolve_hw(a.hardware).name)
-        rows = simulate(a.hardware, a.model, a.prefill, a.decode,
+        rows = simulate(a.hardware, a.model, prefill, decode,
                         Workload(a.input_len, a.prefix_len, a.output_len), a.rates, a.num_prompts, a.policy,
                         a.seed, params=params, engine=_engine_cfg(a), kv_size_gb=a.kv_size_gb,
-                        skip_uncached_max=a.skip_uncached_max)
+                        skip_uncached_max=a.skip_uncached_max, both=a.both)
     except (SimError, HardwareError, ModelError) as exc:
         print(f"pdctl twin simulate: {exc}", file=sys.stderr)
         return 2

@@ -52,6 +52,7 @@ def test_template_is_in_sync_and_valid(tmp_path):
     ("schema_version = 1\n[plan]\ntool_call_parser = \"Hermes; rm\"\n", "not a vLLM tool-call parser name"),
     ("schema_version = 1\n[plan]\nstructured_outputs_backend = \"jsonformer\"\n", "must be one of"),
     ("schema_version = 1\n[plan]\nresponses_store = \"yes\"\n", "plan.responses_store: expected bool"),
+    ("schema_version = 1\n[workload]\npeak_rate = 0\n", "workload.peak_rate: must be > 0"),
 ])
 def test_bad_configs_name_file_and_key(tmp_path, body, needle):
     p = write(tmp_path, body)
@@ -84,6 +85,16 @@ def test_precedence_and_sources(tmp_path):
     shown = json.loads(r.stdout)
     assert shown["plan.prefill"] == {"value": 1, "source": "flag"}
     assert shown["ports.proxy"] == {"value": 9100, "source": "env PDCTL_PORTS_PROXY"}
+
+
+def test_workload_peak_rate_reaches_the_planner(tmp_path):
+    from appliance.plan_settings import planner_inputs
+    from appliance.planner import Workload
+    assert Workload().peak_rate == 60.0 == config.resolve(tmp_path / "none.toml", env={}).get("workload", "peak_rate")
+    s = config.resolve(write(tmp_path, "schema_version = 1\n[workload]\npeak_rate = 90\n"), env={})
+    assert planner_inputs(s)[0].peak_rate == 90.0
+    s = config.resolve(tmp_path / "none.toml", env={"PDCTL_WORKLOAD_PEAK_RATE": "45.5"})
+    assert planner_inputs(s)[0].peak_rate == 45.5
 
 
 def test_atomic_write_roundtrip(tmp_path):
@@ -237,8 +248,28 @@ def test_plan_what_if_picks_the_seed_split():
     assert [w["role"] for w in plan["workers"]] == ["both", "both", "both"]
     assert "* recommended: 3B" in r.stderr and "chosen by the twin's what-if" in plan["reasons"][-1]
     assert all(f in r.stderr for f in ("1P2B", "1P2D", "2P1B", "2P1D"))
+    # nobody asked for these counts: the reasons say the twin chose them, and "predicted" is filled
+    assert not any("as asked" in x for x in plan["reasons"])
+    assert "3 both-workers (all kv_both) chosen by the twin's what-if ranking" in plan["reasons"]
+    pr = plan["predicted"]
+    assert pr["family"] == "3B" and pr["by"] == "twin" and len(pr["ranking"]) == 5
+    assert 0 < pr["goodput_req_s"] <= pr["ceiling_req_s"] and 0 <= pr["aggregated_share"] <= 1
     r = pdctl("plan", "--what-if", "--prefill", "1", "--gpus", "fake:3xA100-80GB", "--config", "/nonexist.toml")
     assert r.returncode == 2 and "drop --prefill/--decode" in r.stderr
+
+
+def test_plan_what_if_agrees_with_the_plans_prediction():
+    """`plan --what-if` and `plan` run one ranking (ladder, bisection, max(600 prompts, 40 s) per rate): the
+    same goodput, never above the delivered ceiling (it said 19 req/s beside 15.97 on 3x A100)."""
+    r = pdctl("plan", "--what-if", "--gpus", "fake:3xA100-80GB", "--config", "/nonexist.toml", "--json")
+    assert r.returncode == 0, r.stderr
+    whatif = json.loads(r.stdout)["predicted"]
+    star = next(ln for ln in r.stderr.splitlines() if ln.startswith("* 3B"))
+    ceiling, held = float(star.split()[2]), float(star.split()[3])
+    assert held <= ceiling and (held, ceiling) == (whatif["goodput_req_s"], whatif["ceiling_req_s"])
+    r = pdctl("plan", "--gpus", "fake:3xA100-80GB", "--config", "/nonexist.toml", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["predicted"] == whatif
 
 
 def test_renderer_refuses_multiline_values():

@@ -126,6 +126,26 @@ def test_default_plan_carries_the_prediction_and_says_why():
     assert p.proxy.policy == "adaptive"
 
 
+def test_predicted_goodput_is_within_the_delivered_ceiling():
+    """Issue 28 item 7: each rate runs max(600 prompts, 40 s of arrivals), the policy study's rule, so a rate
+    past capacity cannot read as holding (3B held "18-19 req/s" beside a ceiling of 15.97 on 300 prompts)."""
+    from appliance.families import plan_prompts
+    assert (plan_prompts(1), plan_prompts(15), plan_prompts(32)) == (600, 600, 1280)
+    pr = make_plan(detect("fake:3xA100-80GB"), models.resolve("deepseek-v2-lite")).predicted
+    assert pr["family"] == "3B" and 14.0 <= pr["goodput_req_s"] <= pr["ceiling_req_s"]
+    assert pr["ranking"][0]["goodput_req_s"] == pr["goodput_req_s"]
+    assert 0.0 <= pr["aggregated_share"] <= 1.0     # a share of the requests (all-both: every one aggregated)
+
+
+def test_asked_counts_say_who_chose_them():
+    inv, model = detect("fake:3xA100-80GB"), models.resolve("deepseek-v2-lite")
+    asked = make_plan(inv, model, Workload(), Overrides(both=3)).reasons
+    assert "3 both-workers (all kv_both) as asked by the operator (--prefill/--decode/--both or [plan])" in asked
+    chosen = make_plan(inv, model, Workload(), Overrides(both=3, counts_by="the twin's what-if ranking")).reasons
+    assert "3 both-workers (all kv_both) chosen by the twin's what-if ranking" in chosen
+    assert not any("as asked" in r for r in chosen)
+
+
 def test_both_workers_are_kv_both_with_store_telemetry():
     plan = make_plan(detect("fake:4xH200"), models.resolve("deepseek-v2-lite"), Workload(),
                      Overrides(prefill=1, both=3))

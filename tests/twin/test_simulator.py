@@ -93,3 +93,24 @@ def test_cli_json_has_vllm_bench_keys():
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown hardware" in bad.stderr
 
+
+def test_cli_simulates_the_default_plan():
+    """`--both 3 --policy adaptive`: the planner's default on 3x A100 (three kv_both engines, each request
+    routed by appliance/decide.py), the same run the planner ranks with."""
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "appliance.twin.cli", "twin", "simulate", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    out = run("--both", "3", "--policy", "adaptive", "--rates", "5", "--num-prompts", "100", "--json")
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)[0]
+    assert row["completed"] == 100 and row["decisions"] == {"aggregate:few_uncached": 100}
+    assert set(row["engine_busy"]) == {"both-0", "both-1", "both-2"}
+    for args, needle in ((["--both", "-1"], "argument --both: -1 engines"),
+                         (["--both", "two"], "argument --both: 'two' is not a whole number"),
+                         (["--decode", "-2"], "argument --decode"),
+                         (["--policy", "best"], "argument --policy: invalid choice: 'best'"),
+                         (["--both", "3"], "--policy round-robin"),
+                         (["--prefill", "0", "--decode", "0", "--policy", "adaptive"], "give --decode or --both")):
+        bad = run(*args)
+        assert bad.returncode == 2 and needle in bad.stderr, (args, bad.stderr)
+
