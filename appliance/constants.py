@@ -126,6 +126,10 @@ PROXY_LEGS = "pdctl_proxy_legs"                         # counter {backend,leg}:
 PROXY_LEGS_INFLIGHT = "pdctl_proxy_legs_inflight"       # gauge {backend,leg}
 PROXY_MIGRATIONS = "pdctl_proxy_migrations"             # counter {outcome}: a stream continued on another worker
 PROXY_STALLS = "pdctl_proxy_stalls"                     # counter {backend}: engines found hung (stall.py)
+PROXY_ADMISSION = "pdctl_proxy_admission"               # counter {outcome,reason,priority}: admit | queue | refuse
+PROXY_QUEUE_DEPTH = "pdctl_proxy_queue_depth"           # gauge: requests waiting in the admission queue
+PROXY_QUEUE_WAIT = "pdctl_proxy_queue_wait_seconds"     # histogram: time spent in the admission queue
+PROXY_GOOD = "pdctl_proxy_good_requests"                # counter: streamed answers within both SLOs (goodput)
 
 # --- fleet: several boxes behind vllm-router (PyPI vllm-router, Rust) --------------------------------
 ROUTER_UNIT = "pd-router.service"

@@ -68,6 +68,10 @@ PROXY: dict[str, tuple[MetricName, ...]] = {
     "legs": (MetricName(C.PROXY_LEGS, ""),),
     "legs_inflight": (MetricName(C.PROXY_LEGS_INFLIGHT, ""),),
     "migrations": (MetricName(PROXY_MIGRATIONS, ""),),
+    "admission": (MetricName(C.PROXY_ADMISSION, ""),),
+    "queue_depth": (MetricName(C.PROXY_QUEUE_DEPTH, ""),),
+    "queue_wait": (MetricName(C.PROXY_QUEUE_WAIT, ""),),
+    "good": (MetricName(C.PROXY_GOOD, ""),),
     "start_time": (MetricName("process_start_time_seconds", ""),),
 }
 

@@ -79,6 +79,8 @@ class ProxyPlan:
     split_max_prefill_backlog: int = _d("proxy", "split_max_prefill_backlog")
     split_idle_max_running: int = _d("proxy", "split_idle_max_running")
     consumer_max_uncached: int = _d("proxy", "consumer_max_uncached")
+    admission: dict = field(default_factory=dict)   # [admission] + the SLOs, max_num_seqs and the twin's prior
+    #                                                 (proxy/config.admission_from_plan; {} = the defaults)
     # + reliability and the public listener: one field per PROXY_TUNING key (schema_fields)
 
     @property
@@ -132,7 +134,7 @@ class Plan:
                        policy=p.get("policy", LEGACY_POLICY),
                        **{k: type(_d("proxy", k))(p.get(k, _d("proxy", k))) for k in _PROXY_PLAN_KEYS},
                        **{k: type(_d(sec, k))(p.get(k, _d(sec, k))) for sec, keys in PROXY_TUNING.items()
-                          for k in keys})
+                          for k in keys}, admission=dict(p.get("admission") or {}))
         return cls(mode=d["mode"], engine=d["engine"], engine_version=d.get("engine_version", ""),
                    model=d["model"], served_model_name=d.get("served_model_name", d["model"]),
                    tp=int(d.get("tp", 1)), workers=workers, kv_server=kv, proxy=px,

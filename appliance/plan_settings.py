@@ -8,6 +8,8 @@ from .models import resolve as resolve_model
 from .planner import Overrides, Workload, make_plan
 from .plan import Plan
 
+WHAT_IF_SOURCE = "what-if"   # the source of [plan] prefill/decode/both that `pdctl plan --what-if` chose
+
 
 def planner_inputs(s: Settings) -> tuple[Workload, Overrides]:
     v = s.values
@@ -15,7 +17,7 @@ def planner_inputs(s: Settings) -> tuple[Workload, Overrides]:
     work = Workload(input_len=w["input_len"], prefix_len=w["prefix_len"], output_len=w["output_len"],
                     max_model_len=w["max_model_len"], ttft_slo_s=w["ttft_slo_s"], tpot_slo_ms=w["tpot_slo_ms"],
                     cold_share=w["cold_share"], cold_input_len=w["cold_input_len"],
-                    cold_output_len=w["cold_output_len"])
+                    cold_output_len=w["cold_output_len"], peak_rate=w["peak_rate"])
     p, ports, px, kv, inst = v["plan"], v["ports"], v["proxy"], v["kv_server"], v["install"]
     ov = Overrides(
         prefill=p["prefill"], decode=p["decode"], both=p["both"], tp=p["tp"], gpus=tuple(p["gpu_indices"]),
@@ -32,7 +34,8 @@ def planner_inputs(s: Settings) -> tuple[Workload, Overrides]:
         worker_reap_timeout_s=kv["worker_reap_timeout_s"], kv_server=kv["kind"], kv_connector=p["kv_connector"], extra_engine_args=tuple(p["extra_engine_args"]),
         tool_call_parser=p["tool_call_parser"], strict_tool_calls=p["strict_tool_calls"],
         structured_outputs_backend=p["structured_outputs_backend"],
-        structured_outputs_compact=p["structured_outputs_compact"], responses_store=p["responses_store"])
+        structured_outputs_compact=p["structured_outputs_compact"], responses_store=p["responses_store"],
+        counts_by="the twin's what-if ranking" if s.sources.get("plan.both") == WHAT_IF_SOURCE else "")
     if ov.structured_outputs_compact and ov.structured_outputs_backend not in ("xgrammar", "guidance"):
         from .config import ConfigError
         raise ConfigError(f"{s.path}: plan.structured_outputs_compact: needs plan.structured_outputs_backend = "
@@ -107,6 +110,16 @@ def _probed_profile(name: str, s: Settings):
                    source=f"config.json of {name} on the hub (not fetched yet)")
 
 
+def admission_settings(s: Settings, inv: Inventory, model, work: Workload, plan: Plan) -> dict:
+    """What the proxy admits by (plan.json's ``proxy.admission``): the [admission] keys, the [workload] SLOs, the
+    engines' max_num_seqs, and where each worker's learnt rates start: the twin's cost model for this GPU, model
+    and traffic, or the generic prior where the twin has no profile (CPU engines, an unknown GPU)."""
+    from .twin.prior import prior_for_gpu
+    gpu = inv.gpus[0].name if inv.gpus and plan.engine != "vllm-cpu" else ""
+    return {**s.values["admission"], "ttft_slo_s": work.ttft_slo_s, "tpot_slo_ms": work.tpot_slo_ms,
+            "max_num_seqs": s.values["plan"]["max_num_seqs"], "prior": prior_for_gpu(gpu, model, work, plan.tp)}
+
+
 def plan_from_settings(s: Settings, inventory: Inventory | None = None, probe_hub: bool = False) -> Plan:
     """Detect (unless an inventory is given), resolve the model, and plan. Raises Plan/Config/Model/InventoryError."""
     inv = inventory if inventory is not None else detect(s.get("install", "gpus"))
@@ -125,5 +138,5 @@ def plan_from_settings(s: Settings, inventory: Inventory | None = None, probe_hu
     return replace(plan, proxy=replace(plan.proxy, kv_wait_s=px["kv_wait_s"],
                                        pd_min_prompt_tokens=px["pd_min_prompt_tokens"],
                                        api_key_file=px["api_key_file"], public_status=px["public_status"],
-                                       **tuning),
+                                       admission=admission_settings(s, inv, model, work, plan), **tuning),
                    kv_server=replace(plan.kv_server, watchdog_s=kv["watchdog_s"]))

@@ -17,6 +17,7 @@ from collections import Counter
 
 from ..wire.server import Server
 from . import lifecycle, responses as RS, routes, warmup
+from .admission import Gate
 from .answers import error_body
 from .backends import Backend
 from .canary import canary_loop, canary_once
@@ -46,6 +47,7 @@ class ProxyServer:
         self.chars_per_token = CharsPerToken()
         self.policy = make_policy(cfg, self.backends, self.prefix, lambda: self.chars_per_token.value)
         self.legs = Legs(self)
+        self.gate = Gate(self, cfg.admission, cfg.admission_prior)   # admission by the SLO (admission.py)
         self.responses = RS.Homes()      # where each stored Responses API answer lives (responses.py)
         self.watcher = Watcher(self)
         self.started = time.monotonic()
@@ -141,10 +143,14 @@ class ProxyServer:
             "inflight": c.get("inflight", 0),
             "backends": [b.status() for b in self.backends],
             "requests": {k: v for k, v in c.items() if ":" in k and not k.startswith(
-                ("kv_wait:", "skip:", "kv_server:", "decision:", "migration:", "migration_refused:", "feature:"))},
+                ("kv_wait:", "skip:", "kv_server:", "decision:", "migration:", "migration_refused:", "feature:",
+                 "admission:"))},
             "features": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("feature:")},
             "responses": {"homes": len(self.responses), "probes": self.responses.probes},
             "decisions": self._decision_mix(),
+            "admission": {**self.gate.status(),
+                          "verdicts": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("admission:")},
+                          "good": c.get("good", 0)},
             "kv_server": {"watched": bool(self.cfg.kv_url), "up": self.kv_up,
                           "outages_seen": c.get("kv_server:down", 0)},
             "pd_skipped": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("skip:")},

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import admit as A
 from .. import constants as C
 from ..config_schema import default as _d, schema_fields
 from ..decide import Thresholds
@@ -56,6 +57,9 @@ class ProxyConfig:
     kv_url: str = ""                         # the KV server's HTTP base URL: a restart empties its L1, so the
     #                                          proxy forgets which prefixes it believed stored
     extra: dict = field(default_factory=dict)
+    admission: A.Policy = A.Policy()         # admission by the SLO ([admission] + the [workload] SLOs; admit.py)
+    admission_prior: A.Prior = A.Prior()     # where each worker's learnt rates start (the plan's, from the twin)
+    max_num_seqs: int = 0                    # the engines' --max-num-seqs (0 = unknown): streams per worker at most
     # + one field per PROXY_TUNING key (schema_fields): on_prefill_failure ("decode": served whole, counted;
     # "fail": 503), stream migration and hung workers (migrate.py, stall.py), drain and watchdog under systemd,
     # and the public listener's limits ([listener] in pdctl.toml)
@@ -75,6 +79,18 @@ def _token_ids(plan) -> bool:
         return False
 
 
+def admission_from_plan(p) -> dict:
+    """The ProxyConfig fields of admission from the plan's proxy section (its ``admission`` dict: the settings,
+    the SLOs, the engines' max_num_seqs and the twin's prior); defaults where the plan predates admission."""
+    a = dict(getattr(p, "admission", None) or {})
+    fields = {k: a[k] for k in ("mode", "target", "tpot_target", "max_queue", "max_queue_wait_s", "max_streams",
+                                "retry_after_max_s", "status", "ttft_slo_s") if k in a}
+    if "tpot_slo_ms" in a:
+        fields["tpot_slo_s"] = float(a["tpot_slo_ms"]) / 1000.0
+    return {"admission": A.Policy(**fields), "admission_prior": A.Prior.from_dict(a.get("prior")),
+            "max_num_seqs": int(a.get("max_num_seqs", 0))}
+
+
 def from_plan(plan, **overrides) -> ProxyConfig:
     """Backends, ports and knobs from an ``appliance.plan.Plan``; nothing is re-derived here."""
     specs = []
@@ -87,7 +103,7 @@ def from_plan(plan, **overrides) -> ProxyConfig:
               thresholds=Thresholds(p.aggregate_max_uncached, p.split_max_prefill_backlog, p.split_idle_max_running,
                                     p.consumer_max_uncached),
               public_status=getattr(p, "public_status", False), kv_url=plan.kv_server.http_url,
-              token_ids=_token_ids(plan),
+              token_ids=_token_ids(plan), **admission_from_plan(p),
               **{k: getattr(p, k) for keys in PROXY_TUNING.values() for k in keys})
     kw.update(overrides)
     return ProxyConfig(**kw)

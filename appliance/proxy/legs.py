@@ -174,6 +174,7 @@ class Legs:
                 b.prefill_backlog -= backlog
                 if kind:
                     b.legs_inflight[kind] -= 1
+                self.s.gate.poke()            # room may have freed for a waiting request (admission.py)
             b.breaker.success("request")
             b.touch()
             return out

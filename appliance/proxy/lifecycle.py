@@ -110,6 +110,10 @@ def reload(server, new) -> list[str]:
         changes.append("settings: " + ", ".join(k for k in changed_keys if "key" not in k)
                        + (" (API keys re-read)" if any("key" in k for k in changed_keys) else ""))
     server.backends, server.policy, server.cfg = backends, policy, new
+    if new.admission != old.admission or new.admission_prior != old.admission_prior:
+        changes.append(f"admission: mode {new.admission.mode}, target {new.admission.target}, max_queue "
+                       f"{new.admission.max_queue}")
+    server.gate.reconfigure(new.admission, new.admission_prior)
     server._public.pop(("GET", C.BOX_STATUS_PATH), None)
     if new.public_status:
         server._public[("GET", C.BOX_STATUS_PATH)] = server.h_public_status

@@ -43,6 +43,14 @@ class ProxyMetrics:
                                   "continued), exhausted (max_migrations spent)", ["outcome"], registry=r)
         self.stalls = Counter(C.PROXY_STALLS, "Engines found hung: legs open, no progress past the stall bound",
                               ["backend"], registry=r)
+        self.admission = Counter(C.PROXY_ADMISSION, "Admission verdicts: admit (started), queue (waited), refuse "
+                                 "(503 + Retry-After before any engine saw it), by reason (appliance/admit.py) and "
+                                 "priority", ["outcome", "reason", "priority"], registry=r)
+        self.queue_depth = Gauge(C.PROXY_QUEUE_DEPTH, "Requests waiting in the admission queue now", registry=r)
+        self.queue_wait = Histogram(C.PROXY_QUEUE_WAIT, "Time a request spent in the admission queue (started or "
+                                    "refused)", buckets=_LAT, registry=r)
+        self.good = Counter(C.PROXY_GOOD, "Streamed answers within both SLOs (TTFT from arrival, the answer's own "
+                            "TPOT): their rate is the goodput", registry=r)
         self._req_children: dict = {}
         self.ttft_path = {p: self.ttft.labels(p) for p in ("pd", "decode_only")}
         self.e2e_path = {p: self.e2e.labels(p) for p in ("pd", "decode_only")}

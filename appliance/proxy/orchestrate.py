@@ -1,19 +1,22 @@
 """Per-request orchestration of a generation (completions, chat, Responses): validate, decide (aggregate on one
-worker or split P/D, appliance/decide.py), the P leg and the bounded wait for LMCache's "stored" signal, the D leg,
+worker or split P/D, appliance/decide.py), admit (start now, wait in the bounded queue, or refuse with 503 and
+Retry-After: admission.py, appliance/admit.py), the P leg and the bounded wait for LMCache's "stored" signal, the D leg,
 then the answer as a whole or streamed (relay.py, which continues a broken stream elsewhere). ``s`` is the
 ProxyServer: the state every route shares.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
+from ..admit import Ask
 from ..decide import AGGREGATE, R_ENGINE_STATE, R_NO_PREFILLER, SPLIT
 from ..wire.server import Request, Response
 from . import migrate, responses as RS, utility_routes
 from .answers import authorized, client_request_id, error_response
 from .errors import UNAUTHORIZED, ProxyError, bad_request
-from .legs import DecodeStream, Passthrough, decode_body
+from .legs import DecodeStream, Passthrough, PrefillResult, decode_body
 from .relay import Relay, StreamJob
 from .routing import SKIP_NO_PREFILLER, Route, affinity_key
 from .telemetry import new_request_id
@@ -62,7 +65,6 @@ async def generate(s, request: Request, path: str, kind: str):
         s.counts["inflight"] -= 1
 
 async def _serve(s, request, parsed, path: str, kind: str, t0: float, crid):
-    m, cfg = s.metrics, s.cfg
     rid = new_request_id()
     echo = crid or rid
     chars = len(parsed.prompt_text)
@@ -70,12 +72,33 @@ async def _serve(s, request, parsed, path: str, kind: str, t0: float, crid):
     held = await RS.held_by(s, parsed.body, rid) if kind == RESPONSES else None
     rt = s.policy.route(parsed.prompt_text, tokens) if held is None else \
         Route(AGGREGATE, R_ENGINE_STATE, None, held.backend, tokens)
+    ticket = None
+    if s.gate.active and held is None:
+        ask = Ask(t0, t0 + s.gate.policy.ttft_slo_s, rt.uncached, parsed.priority)
+        rt, ticket = await s.gate.enter(ask, rt, lambda: s.policy.route(parsed.prompt_text, tokens))
+        if isinstance(rt, ProxyError):            # refused before any engine saw it: ``ticket`` is its headers
+            s._count(kind, "overloaded")
+            return Response(rt.body(), rt.status, {"X-Request-Id": echo, **ticket})
+    if "priority" in parsed.body:     # the proxy's queue class; engines without priority scheduling refuse it
+        parsed.body = {k: v for k, v in parsed.body.items() if k != "priority"}
+        request.body = json.dumps(parsed.body).encode()
+    try:
+        return await _legs(s, request, parsed, path, kind, t0, echo, rid, chars, held, rt, ticket)
+    finally:
+        if ticket is not None:
+            ticket.release_all()
+
+
+async def _legs(s, request, parsed, path, kind, t0, echo, rid, chars, held, rt, ticket):
+    m, cfg = s.metrics, s.cfg
     skip = None if rt.kind == SPLIT else rt.reason
-    kv_params = None
+    kv_params = pr = None
     if skip is None:
         waiting = cfg.kv_wait_s > 0 and any(b.spec.telemetry for b in s.policy.prefill)
         if waiting:
             s.waiter.expect(rid)
+        if ticket is not None:
+            ticket.release(rt.prefill)          # the P leg counts itself on its worker from here
         try:
             # never both legs on one worker: a retried P leg avoids the decided D worker
             pr = await s.legs.prefill(path, parsed.body, rid, rt.prefill, rt.uncached, rt.decode, chars)
@@ -116,10 +139,14 @@ async def _serve(s, request, parsed, path: str, kind: str, t0: float, crid):
     if kind == RESPONSES:
         data = RS.with_response_id(data, parsed.body, rid)
     aff = affinity_key(request.headers.get("x-session-id"), parsed.prompt_text)
+    if ticket is not None:
+        ticket.release_all()                    # the D (or whole) leg counts itself from here
     d = await s.legs.decode(path, data, rid, aff, parsed.stream, rt.decode, "full" if skip else "decode",
                                rt.uncached if skip else 0, chars, exclude=held.others if held else frozenset())
     if kind == RESPONSES:
         RS.served(s, parsed.body, rid, d)
+    if isinstance(d, DecodeStream):
+        s.gate.observe_first(ticket, pr.backend if isinstance(pr, PrefillResult) else d.backend)
     if (skip and isinstance(d, DecodeStream) and d.backend.spec.role in STORING_ROLES
             and parsed.prompt_tokens_est >= cfg.pd_min_prompt_tokens):
         s.prefix.record(parsed.prompt_text)     # a kv_both / kv_producer worker stored what it computed

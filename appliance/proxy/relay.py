@@ -65,6 +65,7 @@ class Relay:
         self.last: bytes | None = None         # the final piece, sent together with the end of the stream
         self.failed: set = set()
         self.migrations = 0
+        self.events = 0                        # SSE events relayed (~ tokens: vLLM streams one per step)
 
     # ----- one leg ------------------------------------------------------------------------------------
     def _open(self, leg: _Leg) -> None:
@@ -80,6 +81,7 @@ class Relay:
         b.inflight -= 1
         b.legs_inflight[leg.kind] -= 1
         b.streams.discard(leg.conn)
+        self.s.gate.poke()
         if clean:
             leg.conn.release()
         else:
@@ -124,6 +126,7 @@ class Relay:
                 continue
             if leg.rewriter is not None:
                 buf = leg.rewriter.feed(buf)
+            self.events += buf.count(b"data:")
             self._record(buf)
             out = M.strip_ids(buf) if self.job.strip else buf
             if conn.complete and not pending:
@@ -148,10 +151,12 @@ class Relay:
         self.request.stream(200, {"Content-Type": d.content_type or SSE_TYPE, "Cache-Control": "no-cache",
                                   "X-Request-Id": job.echo})
         m.decode_first.observe(d.seconds)
-        m.ttft_path[job.route].observe(time.monotonic() - job.t0)
+        t_first = time.monotonic()
+        m.ttft_path[job.route].observe(t_first - job.t0)
         leg = _Leg(d.conn, d.backend, d.leg, d.first)
         outcome = "ok"
         self._open(leg)
+        streams0 = d.backend.inflight
         try:
             while True:
                 err = await self._pump(leg)
@@ -178,6 +183,8 @@ class Relay:
                 self.last = (self.last or b"") + ev
                 break
             await self.request.end(self.last or b"")
+            if outcome == "ok":
+                self._slo(d.backend, t_first, streams0)
         except (ConnectionResetError, BrokenPipeError):
             outcome = "client_disconnect"
         finally:
@@ -185,6 +192,19 @@ class Relay:
                 self._close(leg, clean=False)
         self.s._count(job.kind, outcome)
         m.e2e_path[job.route].observe(time.monotonic() - job.t0)
+
+    def _slo(self, backend, t_first: float, streams0: int) -> None:
+        """A whole answer went out: count it as good when it met both SLOs, and teach admission its worker's TPOT
+        (an answer that moved to another worker teaches nothing)."""
+        now = time.monotonic()
+        tokens = max(1, self.events - 2)          # the [DONE] and a role or usage event carry no token
+        tpot = (now - t_first) / (tokens - 1) if tokens > 1 else 0.0
+        pol = self.s.gate.policy
+        if t_first - self.job.t0 <= pol.ttft_slo_s and tpot <= pol.tpot_slo_s:
+            self.s.metrics.good.inc()
+            self.s.counts["good"] += 1
+        if not self.migrations and tokens > 1:
+            self.s.gate.observe_stream(backend, (streams0 + backend.inflight + 1) / 2, tpot)
 
     # ----- migration ----------------------------------------------------------------------------------
     def _counted(self, outcome: str, reason: str = "") -> None:

@@ -28,6 +28,7 @@ class Parsed:
     prompt_text: str          # what affinity/prefix hashing looks at (text, or token ids rendered)
     prompt_tokens_est: int    # exact for token-id prompts, ~chars/4 for text
     tokens_exact: bool = False   # token-id prompt: prompt_tokens_est is the real count
+    priority: int = 0         # vLLM's ``priority`` (lower first): the admission queue's class
 
 
 def _is_int(v) -> bool:
@@ -75,6 +76,12 @@ def parse(raw: bytes, kind: str, max_tokens_limit: int) -> Parsed | ProxyError:
     n = body.get("n")
     if n is not None and (not _is_int(n) or not 1 <= n <= 128):
         return bad_request("'n' must be an integer between 1 and 128", param="n")
+    priority = body.get("priority", 0)
+    if priority is None:
+        priority = 0
+    if not _is_int(priority) or not -(1 << 31) <= priority < (1 << 31):
+        return bad_request("'priority' must be an integer (lower is served first, as in vLLM), e.g. 0",
+                           param="priority", code="invalid_type")
     if kind == CHAT:
         text = chat_text(body.get("messages"))
     elif kind == RESPONSES:
@@ -87,7 +94,7 @@ def parse(raw: bytes, kind: str, max_tokens_limit: int) -> Parsed | ProxyError:
     est = text[1] if isinstance(text, tuple) else len(text) // 4
     txt = text[0] if isinstance(text, tuple) else text
     return Parsed(body=body, kind=kind, model=model, stream=stream, prompt_text=txt, prompt_tokens_est=est,
-                  tokens_exact=isinstance(text, tuple))
+                  tokens_exact=isinstance(text, tuple), priority=priority)
 
 
 def chat_text(messages) -> str | ProxyError:

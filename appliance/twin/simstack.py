@@ -5,12 +5,17 @@ their host links and prefix cache), the KV server's chunk store, and the proxy c
 (round-robin, pdctl, adaptive: see simulator.py). Requests move through it as events at model times
 (``EventLoop``); the prefill and decode legs (``PrefillLeg``, ``DecodeLeg``) are the engines' payloads and
 carry each request from leg to leg. simulator.py draws the arrivals and summarises the finished requests.
+
+With ``adaptive`` and an admission policy (``appliance.admit``, the proxy's own rule) a request is started, held
+in the proxy's queue or refused at arrival, exactly as the live proxy does it: the same ``judge``, the same
+learners fed with model time (each engine's TTFT and TPOT lines start from the cost model's prior,
+``prior.prior_for``), the same queue order.
 """
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from appliance.constants import LMCACHE_CHUNK_TOKENS
@@ -19,7 +24,9 @@ from . import kvpath
 from .core import EngineCore, HostLink, Seq
 from .costmodel import CostModel
 from .kvstore import ChunkStore
+from .prior import prior_for
 from .workloads import Mix, Workload
+from .. import admit as A
 from ..decide import AGGREGATE, R_STATIC, SPLIT, Thresholds, WorkerLoad, decide
 
 
@@ -28,6 +35,7 @@ class PolicyConfig:
     name: str = "round-robin"
     skip_uncached_max: int = 512
     thresholds: Thresholds = Thresholds()
+    admission: Optional[A.Policy] = None     # adaptive only: the proxy's admission (None or mode off: none)
 
 
 class EventLoop:
@@ -61,6 +69,7 @@ class SimEngine:
         self.polling = False
         self.outstanding = 0
         self.apc = kvpath.PrefixCache()   # vLLM's prefix cache on this GPU, in blocks (used when prefix_cache)
+        self.rates: Optional[A.WorkerRates] = None   # admission's learnt TTFT/TPOT lines (admission on)
 
     def kick(self, t: float) -> None:
         if self.busy or not self.core.has_work():
@@ -106,6 +115,12 @@ class SimRequest:
     e2e: Optional[float] = None
     failed: bool = False
     skipped_p: bool = False
+    ask: Optional[A.Ask] = None       # admission: the request as admission sees it
+    refused: str = ""                 # admission: the refusal's reason ("" = not refused)
+    start: float = 0.0                # when it left the proxy for an engine (after any queue wait)
+    ahead: float = 0.0                # backlog met + its own uncached tokens (TTFT observation's x)
+    ttft_eng: Optional[SimEngine] = None    # the engine whose prefill made its first token
+    streams0: int = 0                 # streams on its decoding engine when its first token came
 
 
 class SimStack:
@@ -136,6 +151,16 @@ class SimStack:
         self.done: list[SimRequest] = []
         self.last_t = 0.0
         self.decisions: dict = {}
+        adm = policy.admission
+        self.adm = adm if adm is not None and adm.mode != "off" and policy.name == "adaptive" else None
+        self.queue = A.WaitQueue()
+        self.drain = A.DrainMeter()
+        self.admissions: dict = {}
+        self.max_queue = 0
+        if self.adm is not None:
+            prior = prior_for(cost, mix)
+            for e in self.engines:
+                e.rates = A.WorkerRates(prior)
         kvb = cost.kv_bytes_per_token
         c = LMCACHE_CHUNK_TOKENS
         for ci, (_, wl) in enumerate(mix.classes):   # warm-up: every class's shared prefix is stored, and (like
@@ -188,15 +213,75 @@ class SimStack:
         k = f"{kind}:{reason}"
         self.decisions[k] = self.decisions.get(k, 0) + 1
 
-    def _adaptive(self, t: float, req: SimRequest) -> None:
+    def _decide(self, req: SimRequest):
         n = req.wl.input_len
         cached = min(self.store.peek(req.keys), n - 1)
         loads = [WorkerLoad(e.name, e.role, True, e.outstanding, e.backlog, e.core.num_running,
                             e.core.num_waiting, e.core.kv_usage()) for e in self.engines]
         self.rr += 1
-        d = decide(n, cached, loads, self.policy.thresholds, self.rr)
+        return decide(n, cached, loads, self.policy.thresholds, self.rr)
+
+    def _adaptive(self, t: float, req: SimRequest) -> None:
+        d = self._decide(req)
+        if self.adm is None:
+            self._dispatch(t, req, d)
+            return
+        req.ask = A.Ask(t, t + self.adm.ttft_slo_s, d.uncached)
+        q = A.QueueView(self.queue.rank(req.ask), len(self.queue), self.drain.rate(t))
+        v = self._judge(t, req, d, q)
+        self._admitted(v)
+        if v.action == A.ADMIT:
+            self._dispatch(t, req, d)
+        elif v.action == A.REFUSE:
+            self._refuse(t, req, v.reason)
+        else:
+            self.queue.push(req.ask, req)
+            self.max_queue = max(self.max_queue, len(self.queue))
+            goal = req.ask.arrival + self.adm.target * (req.ask.deadline - req.ask.arrival)
+            self.loop.at(goal, self._pump)      # by then it has started or it leaves refused
+
+    def _judge(self, t: float, req: SimRequest, d, q: "A.QueueView") -> "A.Verdict":
+        ask = replace(req.ask, uncached=d.uncached)
+        dec = self.by_name[d.decode]
+        pre = self.by_name[d.prefill] if d.prefill else None
+        cap = self.cost.cfg.max_num_seqs
+        view = lambda e: A.Worker(e.name, e.outstanding, e.backlog, e.rates.rates(), cap)   # noqa: E731
+        return A.judge(t, ask, view(pre) if pre else None, view(dec), q, self.adm)
+
+    def _admitted(self, v: "A.Verdict") -> None:
+        k = f"{v.action}:{v.reason}"
+        self.admissions[k] = self.admissions.get(k, 0) + 1
+
+    def _pump(self, t: float) -> None:
+        """Start (or refuse) waiting requests from the head while the workers have room: called whenever a worker
+        frees room (a first token, a finished leg) and at a waiting request's goal."""
+        if self.adm is None:
+            return
+        while self.queue:
+            _, req = self.queue.head()
+            d = self._decide(req)
+            v = self._judge(t, req, d, A.QueueView(0, len(self.queue), self.drain.rate(t)))
+            if v.action == A.QUEUE:
+                return
+            self.queue.pop()
+            self._admitted(v)
+            if v.action == A.ADMIT:
+                self.drain.started(t)
+                self._dispatch(t, req, d)
+            else:
+                self._refuse(t, req, v.reason)
+
+    def _refuse(self, t: float, req: SimRequest, reason: str) -> None:
+        req.refused = reason
+        self.finish(t, req)
+
+    def _dispatch(self, t: float, req: SimRequest, d) -> None:
         self._count(d.kind, d.reason)
         req.uncached = d.uncached
+        req.start = t
+        eng = self.by_name[d.prefill or d.decode]
+        req.ttft_eng = eng
+        req.ahead = eng.backlog + d.uncached
         if d.kind == AGGREGATE:
             req.skipped_p = True
             self.send_d(t, req, self.by_name[d.decode])
@@ -279,6 +364,7 @@ class PrefillLeg:
         s = self.s
         self.eng.outstanding -= 1
         s.release_backlog(self.req)
+        s._pump(t)
         if not s.connector:           # nothing is stored: the decode leg recomputes what its cache lacks
             s.loop.at(t + s.p.http_hop_s, s.send_d, self.req)
             return
@@ -296,14 +382,24 @@ class PrefillLeg:
 class DecodeLeg(PrefillLeg):
     def on_first(self, t: float, seq: Seq) -> None:
         s = self.s
-        self.req.ttft = t + s.p.http_hop_s - self.req.arrival
-        s.release_backlog(self.req)
+        req = self.req
+        req.ttft = t + s.p.http_hop_s - req.arrival
+        s.release_backlog(req)
+        if s.adm is not None:
+            req.ttft_eng.rates.saw_first_token(req.ahead, t + s.p.http_hop_s - req.start)
+            req.streams0 = self.eng.outstanding
+            s._pump(t)
         if s.connector and self.eng.role in ("both", "prefill") and seq.preemptions == 0:   # kv_both stores
             stored_at, _ = kvpath.store(s.cost, t, seq.prompt_len - seq.hit, self.eng.link_out)
             s.loop.at(stored_at, s.stored, self.req)
 
     def on_finish(self, t: float, seq: Seq) -> None:
+        s, req = self.s, self.req
+        if s.adm is not None and req.wl.output_len > 1 and req.ttft is not None:
+            tpot = (t - (req.arrival + req.ttft - s.p.http_hop_s)) / (req.wl.output_len - 1)
+            self.eng.rates.saw_stream((req.streams0 + self.eng.outstanding) / 2, tpot)
         self.eng.outstanding -= 1
-        t_out = t + self.s.p.http_hop_s
-        self.req.e2e = t_out - self.req.arrival
-        self.s.finish(t_out, self.req)
+        t_out = t + s.p.http_hop_s
+        req.e2e = t_out - req.arrival
+        s.finish(t_out, req)
+        s._pump(t)

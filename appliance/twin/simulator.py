@@ -25,7 +25,9 @@ replays its arrival instants. Each rate starts from idle engines. Output keys fo
 duration ending at the last response, so finite runs read below the steady-state ceiling), plus
 ``kv_hit_rate`` (KV server view: hit / looked-up tokens over all lookups of both legs, like
 ``lmcache_mp_lookup_hit_tokens / ..._requested_tokens``), ``max_concurrent_requests`` (client side),
-``p_leg_skipped`` and ``preemptions``.
+``p_leg_skipped`` and ``preemptions``. With an admission policy (``admission=``, adaptive only; see simstack.py):
+``refused`` (by reason), ``good`` (requests within both SLOs: TTFT and the request's own TPOT) and ``goodput``
+(good per second of the run), always side by side, and the queue's longest length.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from .costmodel import CostModel, CostParams, EngineConfig
 from .hardware import Hardware, resolve as resolve_hw
 from .simstack import PolicyConfig, SimRequest, SimStack
 from .workloads import Mix, SimError, Workload  # noqa: F401  (re-exported: the simulator's inputs)
+from ..admit import Policy as AdmissionPolicy
 from ..decide import Thresholds
 from ..percentiles import latency_fields, throughput_fields
 from ..percentiles import percentile  # noqa: F401  (re-exported: tests read it here)
@@ -50,7 +53,8 @@ POLICIES = ("round-robin", "pdctl", "adaptive")
 
 def _summary(stack: SimStack, rate: float, num_prompts: int, duration: float, hit0: tuple) -> dict:
     ok = [r for r in stack.done if not r.failed and r.ttft is not None]
-    failed = num_prompts - len(ok)
+    refused = [r for r in stack.done if r.refused]
+    failed = num_prompts - len(ok) - len(refused)
     ttft = [r.ttft * 1000 for r in ok]
     e2e = [r.e2e * 1000 for r in ok]
     tpot = [(r.e2e - r.ttft) * 1000 / (r.wl.output_len - 1) for r in ok if r.wl.output_len > 1]
@@ -80,6 +84,20 @@ def _summary(stack: SimStack, rate: float, num_prompts: int, duration: float, hi
     }
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2el", e2e)):
         res.update(latency_fields(name, xs))
+    adm = stack.policy.admission
+    if adm is not None:
+        # good per second of arrivals (the asked rate x the share within both SLOs): a run's drain tail after
+        # the last arrival is not capacity the box had to offer
+        window = num_prompts / rate if math.isfinite(rate) and rate > 0 else dur
+        good = sum(1 for r in ok if r.ttft <= adm.ttft_slo_s and
+                   (r.wl.output_len <= 1 or (r.e2e - r.ttft) / (r.wl.output_len - 1) <= adm.tpot_slo_s))
+        why: dict = {}
+        for r in refused:
+            why[r.refused] = why.get(r.refused, 0) + 1
+        res.update({"admission_mode": adm.mode, "admitted": len(ok) + failed, "refused": len(refused),
+                    "refused_reasons": dict(sorted(why.items())), "good": good, "goodput": good / window,
+                    "good_share_admitted": good / len(ok) if ok else 0.0, "max_queue": stack.max_queue,
+                    "admissions": dict(sorted(stack.admissions.items()))})
     return res
 
 
@@ -122,12 +140,14 @@ def simulate(hardware: object = "a100-80gb", model: object = _d("install", "mode
              num_prompts: int = 600, policy: str = "round-robin", seed: int = 2003,
              params: Optional[CostParams] = None, engine: Optional[EngineConfig] = None,
              kv_size_gb: float = 80.0, skip_uncached_max: int = 512, both: int = 0,
-             thresholds: Thresholds = Thresholds(), connector: bool = True) -> list[dict]:
+             thresholds: Thresholds = Thresholds(), connector: bool = True,
+             admission: Optional[AdmissionPolicy] = None) -> list[dict]:
     """One summary dict per rate (``vllm bench serve`` key names + ``kv_hit_rate``); SimError on bad input.
 
     Engines: ``prefill`` dedicated prefillers (kv_producer), ``decode`` decoders (kv_consumer), ``both``
     engines that store and retrieve (kv_both). ``workload`` is a Workload or a Mix. ``connector`` False: engines
-    without a KV connector (no KV server; a decode leg recomputes what its own prefix cache lacks)."""
+    without a KV connector (no KV server; a decode leg recomputes what its own prefix cache lacks). ``admission``:
+    the proxy's admission policy (adaptive only; mode off or None: none) and the SLOs ``good`` counts by."""
     if policy not in POLICIES:
         raise SimError(f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
     if min(prefill, decode, both) < 0:
@@ -150,7 +170,10 @@ def simulate(hardware: object = "a100-80gb", model: object = _d("install", "mode
         raise SimError(f"{mp.name} ({mp.weights_bytes / 2**30:.1f} GiB weights) does not fit on {hw.name} "
                        f"at gpu_memory_utilization {cost.cfg.gpu_memory_utilization}: raise tp or pick a "
                        "larger GPU")
-    pol = PolicyConfig(policy, skip_uncached_max, thresholds)
+    if admission is not None and admission.mode != "off" and policy != "adaptive":
+        raise SimError(f"admission mode {admission.mode!r} needs --policy adaptive (the proxy admits on the "
+                       f"workers decide() chose), got {policy!r}")
+    pol = PolicyConfig(policy, skip_uncached_max, thresholds, admission)
     roles = roles_for(prefill, decode, both, policy)
     return [simulate_rate(cost, roles, mix, float(r), num_prompts, pol, seed + i, int(kv_size_gb * GB), connector)
             for i, r in enumerate(rates)]

@@ -1,0 +1,232 @@
+"""The proxy's admission gate: ``appliance.admit.judge`` on live state, the bounded queue, fast refusals.
+
+``Gate.enter`` is the one step between a generation's decision and its legs. It asks ``judge`` whether the
+request starts now, waits, or is refused, with what the proxy knows of the chosen workers (legs open on them,
+their prefill backlog, and the TTFT/TPOT lines learnt from their own answers: ``observe_first`` and
+``observe_stream``). A waiting request holds a future in the ``WaitQueue``; ``poke`` (called whenever a leg ends
+or a first byte comes back) re-decides the head on the state of that moment and starts, keeps or refuses it. A
+started request holds a reservation on its workers until its legs count themselves there, so one poke never
+starts more than the workers can take. A client that leaves while waiting leaves the queue at once
+(``CancelledError``) and reaches no engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+
+from .. import admit as A
+from .errors import ProxyError
+
+
+@dataclass
+class Ticket:
+    """A started request's claim on its workers until its legs are counted there (``release``)."""
+    gate: "Gate"
+    start: float
+    ahead: float = 0.0                 # backlog met + its own uncached tokens (the TTFT observation's x)
+    held: dict = field(default_factory=dict)    # backend -> (streams, tokens) reserved
+
+    def release(self, backend) -> None:
+        got = self.held.pop(backend, None)
+        if got is not None:
+            r = self.gate.reserved
+            s, t = r.get(backend, (0, 0))
+            r[backend] = (s - got[0], t - got[1])
+
+    def release_all(self) -> None:
+        for b in list(self.held):
+            self.release(b)
+
+
+@dataclass
+class _Waiter:
+    ask: A.Ask
+    reroute: object                    # () -> Route: decide again on the state of the moment
+    fut: asyncio.Future
+
+
+def refusal(v: A.Verdict, status: int, queue_len: int) -> tuple:
+    why = {A.R_QUEUE_FULL: f"the admission queue is full ({queue_len} waiting)",
+           A.R_DEADLINE: "the requests already waiting would push this one past its TTFT deadline",
+           A.R_EXPIRED: "it waited in the admission queue until its TTFT deadline could no longer be met"
+           }.get(v.reason, v.reason)
+    err = ProxyError(status, f"the server is overloaded: {why}; retry after {v.retry_after_s} s (Retry-After), "
+                             "or send to another box", "service_unavailable" if status != 429 else "rate_limit_exceeded",
+                     A.OVERLOADED_CODE)
+    return err, {"Retry-After": str(v.retry_after_s)}
+
+
+class Gate:
+    def __init__(self, server, policy: A.Policy, prior: A.Prior):
+        self.s = server
+        self.policy = policy
+        self.prior = prior
+        self.queue = A.WaitQueue()
+        self.drain = A.DrainMeter()
+        self.rates: dict = {}          # backend label -> WorkerRates
+        self.reserved: dict = {}       # backend -> (streams, tokens) started but not yet counted by a leg
+        self._poke_pending = False
+
+    # ----- configuration --------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return self.policy.mode != "off"
+
+    def reconfigure(self, policy: A.Policy, prior: A.Prior) -> None:
+        """A reload: new settings apply to the next decision; waiting requests keep their place (mode off lets them
+        all start)."""
+        self.policy, self.prior = policy, prior
+        self.poke()
+
+    def worker_rates(self, b) -> A.WorkerRates:
+        r = self.rates.get(b.label)
+        if r is None:
+            r = self.rates[b.label] = A.WorkerRates(self.prior)
+        return r
+
+    def view(self, b, max_seqs: int) -> A.Worker:
+        rs, rt = self.reserved.get(b, (0, 0))
+        return A.Worker(b.label, b.inflight + rs, b.prefill_backlog + rt, self.worker_rates(b).rates(), max_seqs)
+
+    # ----- the step ---------------------------------------------------------------------------------
+    def _judge(self, now: float, ask: A.Ask, rt, ahead: int) -> A.Verdict:
+        cap = self.s.cfg.max_num_seqs or (1 << 30)
+        dec = self.view(rt.decode, cap)
+        pre = self.view(rt.prefill, cap) if rt.prefill is not None else None
+        q = A.QueueView(ahead, len(self.queue), self.drain.rate(now))
+        return A.judge(now, replace(ask, uncached=rt.uncached), pre, dec, q, self.policy)
+
+    def _ticket(self, now: float, rt) -> Ticket:
+        t = Ticket(self, now)
+        first = rt.prefill if rt.prefill is not None else rt.decode
+        t.ahead = first.prefill_backlog + self.reserved.get(first, (0, 0))[1] + rt.uncached
+        parts = {first: (0, rt.uncached)}
+        s, tok = parts.get(rt.decode, (0, 0))
+        parts[rt.decode] = (s + 1, tok)
+        for b, (s, tok) in parts.items():
+            rs, rtok = self.reserved.get(b, (0, 0))
+            self.reserved[b] = (rs + s, rtok + tok)
+        t.held = parts
+        return t
+
+    def _count(self, v: A.Verdict, priority: int) -> None:
+        self.s.metrics.admission.labels(v.action, v.reason, str(priority)).inc()
+        self.s.counts[f"admission:{v.action}:{v.reason}"] += 1
+
+    async def enter(self, ask: A.Ask, rt, reroute):
+        """(Route, Ticket) to go on with, or (Refusal error, headers). ``rt`` is the route decided at arrival;
+        ``reroute()`` decides again (for a request that waited)."""
+        now = time.monotonic()
+        if not self.active or rt.decode is None:
+            return rt, None
+        v = self._judge(now, ask, rt, self.queue.rank(ask))
+        self._count(v, ask.priority)
+        if v.action == A.ADMIT:
+            return rt, self._ticket(now, rt)
+        if v.action == A.REFUSE:
+            return refusal(v, self.policy.status, len(self.queue))
+        if len(self.queue) >= self.policy.max_queue:      # full: a better class takes the worst one's place
+            last = self.queue.last()
+            if last is None or last[0][:2] <= (ask.priority, ask.deadline):
+                v = A.Verdict(A.REFUSE, A.R_QUEUE_FULL, v.ttft_s, A.retry_after(
+                    A.QueueView(len(self.queue), len(self.queue), self.drain.rate(now)), 0.0, self.policy))
+                self._count(v, ask.priority)
+                return refusal(v, self.policy.status, len(self.queue))
+            self.queue.remove(last[0])
+            self._finish(last[1], A.Verdict(A.REFUSE, A.R_QUEUE_FULL, 0.0, A.retry_after(
+                A.QueueView(len(self.queue), len(self.queue), self.drain.rate(now)), 0.0, self.policy)))
+        fut = asyncio.get_running_loop().create_future()
+        key = self.queue.push(ask, _Waiter(ask, reroute, fut))
+        self.s.metrics.queue_depth.set(len(self.queue))
+        self._at(ask.arrival + self.policy.target * (ask.deadline - ask.arrival))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if self.queue.remove(key):
+                self._count(A.Verdict(A.REFUSE, A.R_GONE), ask.priority)
+                self.s.metrics.queue_depth.set(len(self.queue))
+            elif fut.done() and not fut.cancelled():
+                got = fut.result()
+                if isinstance(got[1], Ticket):
+                    got[1].release_all()
+            raise
+        finally:
+            self.s.metrics.queue_wait.observe(time.monotonic() - now)
+
+    def _finish(self, w: _Waiter, v: A.Verdict, rt=None, ticket=None) -> None:
+        self._count(v, w.ask.priority)
+        if w.fut.done():
+            return
+        if v.action == A.ADMIT:
+            w.fut.set_result((rt, ticket))
+        else:
+            w.fut.set_result(refusal(v, self.policy.status, len(self.queue)))
+
+    def _at(self, when: float) -> None:
+        """Pump at ``when``: by then the waiting request has started, or it leaves refused."""
+        asyncio.get_running_loop().call_later(max(0.0, when - time.monotonic()) + 0.001, self.pump)
+
+    def poke(self) -> None:
+        """Room may have freed (a leg ended, a first byte came back): pump the queue soon, once."""
+        if not self.queue or self._poke_pending:
+            return
+        self._poke_pending = True
+        try:
+            asyncio.get_running_loop().call_soon(self._poked)
+        except RuntimeError:       # no loop (a test's synchronous teardown): nothing waits
+            self._poke_pending = False
+
+    def _poked(self) -> None:
+        self._poke_pending = False
+        self.pump()
+
+    def pump(self) -> None:
+        """Start or refuse waiting requests from the head while the head's workers have room."""
+        while self.queue:
+            key, w = self.queue.head()
+            if w.fut.done():
+                self.queue.pop()
+                continue
+            now = time.monotonic()
+            if not self.active:
+                rt = w.reroute()
+                self.queue.pop()
+                self._finish(w, A.Verdict(A.ADMIT, A.R_OFF), rt, None)
+                continue
+            rt = w.reroute()
+            if rt.decode is None:                       # no worker at all: let the legs answer (503, no worker)
+                self.queue.pop()
+                self._finish(w, A.Verdict(A.ADMIT, A.R_IDLE), rt, None)
+                continue
+            v = self._judge(now, w.ask, rt, 0)
+            if v.action == A.QUEUE:
+                break
+            self.queue.pop()
+            if v.action == A.ADMIT:
+                self.drain.started(now)
+                self._finish(w, v, rt, self._ticket(now, rt))
+            else:
+                self._finish(w, v)
+        self.s.metrics.queue_depth.set(len(self.queue))
+
+    # ----- learning -----------------------------------------------------------------------------------
+    def observe_first(self, ticket: Ticket | None, backend) -> None:
+        """The first token came back on ``backend`` (the worker that prefilled it)."""
+        if ticket is not None and backend is not None:
+            self.worker_rates(backend).saw_first_token(ticket.ahead, time.monotonic() - ticket.start)
+
+    def observe_stream(self, backend, streams: float, tpot_s: float) -> None:
+        if backend is not None and tpot_s > 0:
+            self.worker_rates(backend).saw_stream(streams, tpot_s)
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        return {"mode": self.policy.mode, "queue": len(self.queue), "drain_per_s": round(self.drain.rate(now), 3),
+                "ttft_slo_s": self.policy.ttft_slo_s, "tpot_slo_ms": round(self.policy.tpot_slo_s * 1000, 3),
+                "workers": {k: {"ttft_base_s": round(r.rates().ttft_a, 4),
+                                "prefill_tps": round(1.0 / r.rates().ttft_s, 1) if r.rates().ttft_s else None,
+                                "tpot_base_ms": round(r.rates().tpot_b * 1000, 3),
+                                "tpot_per_stream_ms": round(r.rates().tpot_k * 1000, 4),
+                                "first_tokens_seen": r.ttft.n, "streams_seen": r.tpot.n}
+                            for k, r in self.rates.items()}}

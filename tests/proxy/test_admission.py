@@ -1,0 +1,127 @@
+"""Admission in the live proxy (appliance/proxy/admission.py) against stand-in engine processes: a burst far above
+what one slow decoder holds gets fast 503s with Retry-After in OpenAI's shape, nothing refused reaches an engine,
+a client that leaves while queued never reaches one, ``priority`` is checked, and mode off admits everything."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+
+import aiohttp
+import pytest
+
+from appliance import admit as A
+
+from .conftest import make_cfg
+
+
+async def wait_until(pred, timeout: float, what: str) -> None:
+    """Until ``pred()`` holds (the in-process proxy runs on this loop: sleep asynchronously), bounded."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, f"waited {timeout} s for {what}"
+        await asyncio.sleep(0.02)
+
+# a decoder that streams 30 tokens at 20 ms each (~0.6 s per answer); SLOs it can hold for about 2 streams:
+# TTFT 0.6 s, TPOT 30 ms, and a prior that says one more stream costs 8 ms of TPOT from 10 ms alone
+PRIOR = A.Prior(ttft_a=0.02, prefill_tps=1e6, tpot_b=0.010, tpot_k=0.008, tokens_ref=100.0, streams_ref=2.0)
+SLO = A.Policy(mode="slo", ttft_slo_s=0.6, tpot_slo_s=0.030, target=0.85, tpot_target=1.0, max_queue=64)
+
+
+def body(i: int, **extra) -> dict:
+    return {"model": "tiny", "prompt": f"request {i} " + "w " * 20, "max_tokens": 30, "stream": True, **extra}
+
+
+def served(e) -> list:
+    """The test's own generation requests the engine received (not the proxy's canaries or probes)."""
+    return [x for x in e.log() if x["path"] == "/v1/completions" and str(x["body"].get("prompt", "")).startswith(
+        ("request ", "the leaver"))]
+
+
+async def post(session, url: str, b: dict) -> tuple:
+    async with session.post(url + "/v1/completions", json=b) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+async def admission_proxy(spawn, proxy_factory, policy: A.Policy):
+    e = spawn()
+    e.mode("ok", token_delay_s=0.02)
+    cfg = make_cfg([], [e.url], policy="adaptive", admission=policy, admission_prior=PRIOR)
+    return e, await proxy_factory(cfg)
+
+
+async def test_a_burst_past_capacity_gets_fast_honest_refusals_and_refused_requests_reach_no_engine(spawn,
+                                                                                                 proxy_factory):
+    e, px = await admission_proxy(spawn, proxy_factory, SLO)
+    async with aiohttp.ClientSession() as s:
+        got = await asyncio.gather(*(post(s, px.url, body(i)) for i in range(40)))
+    ok = [g for g in got if g[0] == 200]
+    refused = [g for g in got if g[0] == 503]
+    assert len(ok) + len(refused) == 40, [g[0] for g in got]
+    assert ok and refused, "a burst 10x past what the decoder holds: some start, the rest are refused"
+    for status, headers, raw in refused:
+        err = json.loads(raw)["error"]
+        assert err["code"] == A.OVERLOADED_CODE and err["type"] == "service_unavailable"
+        assert "overloaded" in err["message"] and "Retry-After" in err["message"]
+        assert int(headers["Retry-After"]) >= 1
+    for _, _, raw in ok:
+        assert raw.rstrip().endswith(b"[DONE]")
+    # nothing both refused and executed: the engine saw exactly the admitted requests
+    assert len(served(e)) == len(ok)
+    st = px.server.status()["admission"]
+    assert st["mode"] == "slo" and st["queue"] == 0
+    assert sum(v for k, v in st["verdicts"].items() if k.startswith("refuse:")) == len(refused)
+    metrics = px.server.metrics.render().decode()
+    assert 'pdctl_proxy_admission_total{outcome="refuse"' in metrics
+
+
+async def test_a_client_that_leaves_the_queue_never_reaches_an_engine(spawn, proxy_factory):
+    e, px = await admission_proxy(spawn, proxy_factory, replace(SLO, ttft_slo_s=5.0, max_queue=64))
+    e.mode("ok", token_delay_s=0.1)               # ~3 s per answer: the queue holds the late ones
+    async with aiohttp.ClientSession() as s:
+        busy = [asyncio.create_task(post(s, px.url, body(i))) for i in range(4)]
+        await wait_until(lambda: len(px.server.gate.queue) >= 1, timeout=10, what="a request waiting in the queue")
+        queued = len(px.server.gate.queue)
+        sent = len(served(e))
+        leaver = asyncio.create_task(post(s, px.url, body(99, prompt="the leaver " + "w " * 20)))
+        await wait_until(lambda: len(px.server.gate.queue) == queued + 1, timeout=10, what="the leaver queued")
+        leaver.cancel()
+        await wait_until(lambda: px.server.counts.get("admission:refuse:client_gone", 0) == 1, timeout=10,
+                         what="the leaver counted as gone")
+        for t in busy:
+            await t
+    assert not any("the leaver" in json.dumps(x.get("body", "")) for x in e.log())
+    assert len(served(e)) >= sent
+
+
+async def test_priority_must_be_an_integer_and_is_not_sent_to_the_engines(spawn, proxy_factory):
+    e, px = await admission_proxy(spawn, proxy_factory, SLO)
+    async with aiohttp.ClientSession() as s:
+        status, _, raw = await post(s, px.url, body(1, priority="high"))
+        assert status == 400 and json.loads(raw)["error"]["param"] == "priority"
+        status, _, raw = await post(s, px.url, body(2, priority=-5))
+        assert status == 200
+    sent = served(e)
+    assert len(sent) == 1 and "priority" not in sent[0]["body"]
+
+
+async def test_mode_off_admits_everything(spawn, proxy_factory):
+    e, px = await admission_proxy(spawn, proxy_factory, replace(SLO, mode="off"))
+    async with aiohttp.ClientSession() as s:
+        got = await asyncio.gather(*(post(s, px.url, body(i)) for i in range(20)))
+    assert [g[0] for g in got] == [200] * 20
+    assert len(served(e)) == 20
+
+
+async def test_reload_switches_the_mode_and_lets_the_waiting_start(spawn, proxy_factory):
+    e, px = await admission_proxy(spawn, proxy_factory, replace(SLO, ttft_slo_s=5.0))
+    e.mode("ok", token_delay_s=0.1)
+    async with aiohttp.ClientSession() as s:
+        tasks = [asyncio.create_task(post(s, px.url, body(i))) for i in range(8)]
+        await wait_until(lambda: len(px.server.gate.queue) >= 1, timeout=10, what="a request waiting in the queue")
+        changes = px.server.reload(replace(px.server.cfg, admission=replace(SLO, mode="off")))
+        assert any(c.startswith("admission: mode off") for c in changes), changes
+        got = await asyncio.gather(*tasks)
+    assert [g[0] for g in got] == [200] * 8        # the waiting ones started when admission went off
+    assert px.server.gate.policy.mode == "off" and len(px.server.gate.queue) == 0
