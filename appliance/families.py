@@ -138,4 +138,8 @@ def predicted_of(w, shape: str) -> dict:
             "tpot_p95_ms": round(at.tpot_p95_ms, 1), "aggregated_share": round(at.aggregated, 3),
             "slo": {"ttft_p95_s": w.slo_ttft_p95_s, "tpot_p95_ms": w.slo_tpot_p95_ms}, "workload": shape,
             "hardware": w.hardware, "ranking": [{"family": r.family, "goodput_req_s": round(r.max_rate_under_slo, 2)}
-                                                for r in w.rows]}
+                                                for r in w.rows],
+            **({"overload": {o.label: {"asked_req_s": round(o.asked, 2), "good_req_s": round(o.good_req_s, 2),
+                                       "refused_share": round(o.refused_share, 3),
+                                       "admitted_in_slo": round(o.admitted_in_slo, 3)} for o in best.overload}}
+               if best.overload else {})}

@@ -59,6 +59,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def admission_policy(s):
+    """The proxy's admission as the settings ask ([admission] and the [workload] SLOs): what-if runs each family
+    past its ceiling with it."""
+    from dataclasses import fields
+    from .admit import Policy
+    a, w = s.values["admission"], s.values["workload"]
+    names = {f.name for f in fields(Policy)}
+    return Policy(**{k: v for k, v in a.items() if k in names}, ttft_slo_s=w["ttft_slo_s"],
+                  tpot_slo_s=w["tpot_slo_ms"] / 1000.0)
+
+
 def _what_if_split(args: argparse.Namespace, s) -> tuple[str, dict]:
     """Rank every plan family (all-both, hybrids, P/D) on the twin, print the table, and plan the winner:
     (the reason, plan.json's ``"predicted"``). The same ladder, bisection and windows as the planner's own
@@ -86,7 +97,7 @@ def _what_if_split(args: argparse.Namespace, s) -> tuple[str, dict]:
                 slo_ttft_p95_s=slo, policy=s.get("proxy", "policy"), tp=max(1, s.get("plan", "tp")),
                 num_prompts=args.what_if_num_prompts, objective=args.what_if_objective, family="all",
                 slo_tpot_p95_ms=work.tpot_slo_ms, thresholds=ov.thresholds, min_window_s=PLAN_WINDOW_S,
-                refine=PLAN_REFINE)
+                refine=PLAN_REFINE, admission=admission_policy(s), peak_rate=work.peak_rate)
     print(render(w), file=sys.stderr if args.json else sys.stdout)
     rec = w.recommended
     if rec is None:

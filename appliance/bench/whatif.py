@@ -44,6 +44,16 @@ class RatePoint:
 
 
 @dataclass(frozen=True)
+class OverloadPoint:
+    """One family past its ceiling with the proxy's admission (appliance/admit.py) in the simulator."""
+    label: str                          # "2x" | "peak"
+    asked: float                        # req/s
+    good_req_s: float                   # requests within both SLOs per second of arrivals (goodput)
+    refused_share: float                # refused / asked, 0..1 (always beside goodput)
+    admitted_in_slo: float              # good / admitted, 0..1
+
+
+@dataclass(frozen=True)
 class SplitResult:
     prefill: int
     decode: int
@@ -56,6 +66,7 @@ class SplitResult:
     recommended: bool = False
     holds_all: bool = False             # every asked rate held: the true limit is above the highest one
     both: int = 0                       # kv_both engines (soft roles): any leg, or a whole request
+    overload: tuple = ()                # OverloadPoint at 2x its goodput and at the workload's peak (admission on)
 
     @property
     def family(self) -> str:
@@ -103,7 +114,8 @@ class WhatIf:
                             "kind": r.kind, "tp": r.tp,
                             "ceiling": r.ceiling, "max_rate_under_slo": r.max_rate_under_slo,
                             "holds_all_rates": r.holds_all, "recommended": r.recommended,
-                            "points": [p.__dict__ for p in r.points]} for r in self.rows]}
+                            "points": [p.__dict__ for p in r.points],
+                            "overload": [o.__dict__ for o in r.overload]} for r in self.rows]}
 
 
 def _gpu_group(inventory) -> tuple[str, int, list]:
@@ -148,7 +160,7 @@ def what_if(inventory, model: str, workload=Workload(), rates: Sequence[float] =
             *, slo_ttft_p95_s: float = 3.5, policy: str = "round-robin", tp: int = 1, num_prompts: int = 600,
             seed: int = 2003, kv_size_gb: float = 80.0, objective: str = "max-rate-under-slo",
             refine: int = 4, family: str = "pd", slo_tpot_p95_ms: Optional[float] = None,
-            thresholds=None, min_window_s: float = 0.0) -> WhatIf:
+            thresholds=None, min_window_s: float = 0.0, admission=None, peak_rate: float = 0.0) -> WhatIf:
     """Simulate each feasible split of ``inventory``'s GPUs; rows best first, the recommended one marked.
 
     ``family="pd"``: every P/D split (also on fewer engines), the first round's what-if. ``family="all"``:
@@ -159,11 +171,14 @@ def what_if(inventory, model: str, workload=Workload(), rates: Sequence[float] =
     (unsimulated rates show as ``-``) and measures the ceiling past capacity too (a run at 2x the knee). The
     knee is not capped at that ceiling: "delivered" counts the last requests' drain (long answers weigh on
     it), and some stacks deliver less past capacity than they hold under the SLO (the adaptive policy's
-    1P3B with cold prompts on 4x H200 holds 16.5 req/s on 160 s windows, and delivers ~11 at 2x)."""
+    1P3B with cold prompts on 4x H200 holds 16.5 req/s on 160 s windows, and delivers ~11 at 2x).
+
+    ``admission`` (an ``appliance.admit.Policy``, adaptive policy only): each family is also run past its ceiling
+    with the proxy's admission, at 2x its goodput and at ``peak_rate``: good req/s beside the share refused."""
     return _what_if(_gpu_setup(inventory, tp), model, workload, rates, slo_ttft_p95_s=slo_ttft_p95_s,
                     policy=policy, tp=tp, num_prompts=num_prompts, seed=seed, kv_size_gb=kv_size_gb,
                     objective=objective, refine=refine, family=family, slo_tpot_p95_ms=slo_tpot_p95_ms,
-                    thresholds=thresholds, min_window_s=min_window_s)
+                    thresholds=thresholds, min_window_s=min_window_s, admission=admission, peak_rate=peak_rate)
 
 
 def _gpu_setup(inventory, tp: int) -> tuple:
@@ -179,7 +194,8 @@ def what_if_engines(gpu_name: str, n_gpus: int, model: str, workload, rates: Seq
 
 def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_ttft_p95_s: float, policy: str,
              tp: int, num_prompts: int, seed: int, kv_size_gb: float, objective: str, refine: int, family: str,
-             slo_tpot_p95_ms: Optional[float], thresholds, min_window_s: float = 0.0) -> WhatIf:
+             slo_tpot_p95_ms: Optional[float], thresholds, min_window_s: float = 0.0, admission=None,
+             peak_rate: float = 0.0) -> WhatIf:
     if objective not in OBJECTIVES:
         raise BenchError(f"--objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
     if tp < 1:
@@ -224,6 +240,17 @@ def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_
                          ttft_p95_s=s["p95_ttft_ms"] / 1000, failed=s["failed"], under_slo=holds(s),
                          tpot_p95_ms=s["p95_tpot_ms"], aggregated=agg / max(1, sum(dec.values())))
 
+    def past(p: int, d: int, b: int, label: str, r: float) -> OverloadPoint:
+        """The family at ``r`` req/s with admission: the same window rule as every other rate."""
+        try:
+            s = simulate(hw, model, p, d, workload, [r], num_prompts=prompts_for(r, num_prompts, min_window_s),
+                         policy=policy, seed=seed, engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb, both=b,
+                         admission=admission, **extra)[0]
+        except SimError as exc:
+            raise BenchError(f"what-if: {exc}") from None
+        n = s["admitted"] + s["refused"]
+        return OverloadPoint(label, r, s["goodput"], s["refused"] / max(1, n), s["good_share_admitted"])
+
     shapes = [(p, d, 0) for p, d in splits(n_engines)] if family == "pd" else families(n_engines)
     if policy == "round-robin":   # the seed's proxy always takes a P leg: no family without a prefiller
         shapes = [sh for sh in shapes if sh[0] >= 1]
@@ -258,8 +285,12 @@ def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_
                 # the ceiling past capacity: a run just above the knee is still draining its short queue when
                 # it ends (delivered well under what the engines do), so one run reaches 2x the knee
                 ceiling = max(ceiling, sim(p, d, b, [2 * best_ok])[0]["request_throughput"])
+        over = ()
+        if admission is not None and policy == "adaptive" and best_ok > 0:
+            over = tuple(past(p, d, b, label, r) for label, r in (("2x", 2 * best_ok), ("peak", peak_rate))
+                         if r > 0)
         rows.append(SplitResult(p, d, tp, pts, ceiling, best_ok,
-                                holds_all=bool(ok) and pts[ok[-1]].asked == rates[-1], both=b))
+                                holds_all=bool(ok) and pts[ok[-1]].asked == rates[-1], both=b, overload=over))
 
     def key(r: SplitResult):
         at = max((p for p in r.points if p.under_slo), key=lambda p: p.asked, default=None)
@@ -292,6 +323,9 @@ def render(w: WhatIf) -> str:
     head = f"  {'split':<10} {'ceiling':>8} {'max@SLO':>8}"
     for r in w.rates:
         head += f"  {f'{r:g}/s {unit}':>{width}}"
+    over = any(row.overload for row in w.rows)
+    if over:
+        head += "  " + "  ".join(f"{lab:>22}" for lab in ("good@2x (refused)", "good@peak (refused)"))
     out.append(head)
     for row in w.rows:
         held = (">=" if row.holds_all else "") + f"{row.max_rate_under_slo:.3g}"
@@ -303,6 +337,10 @@ def render(w: WhatIf) -> str:
                 continue
             cell = f"{p.ttft_p50_s:.2f}/{p.ttft_p95_s:.2f}" + (f",{p.tpot_p95_ms:.0f}ms" if tpot else "")
             line += f"  {cell + ('' if p.under_slo else '!'):>{width}}"
+        if over:
+            for o in (row.overload + (None, None))[:2]:
+                cell = f"{o.good_req_s:.3g}/s @{o.asked:.3g} ({o.refused_share:.0%})" if o else "-"
+                line += f"  {cell:>22}"
         out.append(line)
     rec = w.recommended
     out.append(f"* recommended: {rec.name} (holds {'>= ' if rec.holds_all else ''}{rec.max_rate_under_slo:.3g} "
@@ -312,5 +350,8 @@ def render(w: WhatIf) -> str:
     out.append("! = over the SLO (or failures) at that rate; - = not simulated (below a rate that held, or above "
                "one that missed); "
                "ceiling = highest delivered req/s; nB = kv_both engines (soft roles), nP/nD = prefill/decode")
+    if over:
+        out.append("good@2x / good@peak: requests within both SLOs per second at 2x the family's goodput and at the "
+                   "workload's peak rate, with the proxy's admission (refused share in brackets)")
     out.extend(f"note: {n}" for n in w.notes)
     return "\n".join(out)

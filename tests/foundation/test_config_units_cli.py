@@ -267,6 +267,14 @@ def test_plan_what_if_agrees_with_the_plans_prediction():
     star = next(ln for ln in r.stderr.splitlines() if ln.startswith("* 3B"))
     ceiling, held = float(star.split()[2]), float(star.split()[3])
     assert held <= ceiling and (held, ceiling) == (whatif["goodput_req_s"], whatif["ceiling_req_s"])
+    # what-if also runs each family past its ceiling with the proxy's admission: at 2x and at the peak rate
+    over = whatif.pop("overload")
+    assert set(over) == {"2x", "peak"} and over["peak"]["asked_req_s"] == 60.0
+    assert over["2x"]["asked_req_s"] == 2 * whatif["goodput_req_s"]
+    for o in over.values():   # past the ceiling admission keeps most of the goodput and says what it refused
+        assert 0.8 * whatif["goodput_req_s"] <= o["good_req_s"] and 0 < o["refused_share"] < 1
+        assert o["admitted_in_slo"] >= 0.95
+    assert "good@2x (refused)" in r.stderr
     r = pdctl("plan", "--gpus", "fake:3xA100-80GB", "--config", "/nonexist.toml", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["predicted"] == whatif
