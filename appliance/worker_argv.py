@@ -19,6 +19,11 @@ def bin_path(venv: str, name: str) -> str:
     return f"{venv.rstrip('/')}/bin/{name}"
 
 
+ENGINE_QUEUE_FACTOR = 2   # --max-num-queued-reqs = this x --max-num-seqs (requests running and waiting in the engine):
+#                           the proxy's admission keeps each worker near max_num_seqs, so the engine's own 503
+#                           only fires when something bypasses or disables it ([admission] mode = "off")
+
+
 def vllm_argv(role: str, port: int, tp: int, model: ModelProfile, served: str, work: Workload,
                ov: Overrides, version: str, kv_port: int) -> tuple:
     fl = flags_for(version)
@@ -37,6 +42,8 @@ def vllm_argv(role: str, port: int, tp: int, model: ModelProfile, served: str, w
                  "--max-model-len", str(min(work.max_model_len, model.max_context)),
                  "--block-size", str(ov.block_size)]
     argv += ["--max-num-seqs", str(ov.max_num_seqs), "--max-num-batched-tokens", str(ov.max_num_batched_tokens)]
+    if fl.queue_caps:    # the engine's own wall behind the proxy's admission: running + one more batch waiting
+        argv += ["--max-num-queued-reqs", str(ENGINE_QUEUE_FACTOR * ov.max_num_seqs)]
     if ov.kv_connector:
         argv += ["--kv-transfer-config", kv_transfer_config(fl, role, kv_port, ov.heartbeat_s, ov.mq_timeout_s)]
         if fl.hma_flag:
