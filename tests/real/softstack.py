@@ -2,7 +2,6 @@
 (soft roles). A module that uses the ``soft`` fixture gets its own stack (engines take 60-90 s here)."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -13,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from .conftest import L1_SIZE_GB, START_TIMEOUT_S
-from .stack import REPO, RealStack, TelemetrySink, free_ports
+from .stack import REPO, TelemetrySink, free_ports, held_sockets, port_of, start_on_probed_ports
 
 
 def _free_port_pair() -> int:
@@ -63,8 +62,10 @@ class SoftStack:
     def proxy(self, **thresholds):
         """The real proxy, standalone, in front of both workers: ``pdctl proxy --both A --both B
         --policy adaptive --telemetry-prefill`` + thresholds. The TelemetrySink keeps the Plan's internal
-        port (where the workers post) and relays each event to this proxy's internal port."""
-        public, internal = free_ports(2)
+        port (where the workers post) and relays each event to this proxy's internal port. Its two ports are
+        bound now (port 0) and handed over as sockets (socket activation): no probed port to lose meanwhile."""
+        socks = dict(zip(("public", "internal"), held_sockets(2)))
+        public, internal = port_of(socks["public"]), port_of(socks["internal"])
         argv = [sys.executable, "-m", "appliance.cli", "proxy", "--listen", f"127.0.0.1:{public}",
                 "--internal", f"127.0.0.1:{internal}", "--policy", "adaptive", "--telemetry-prefill"]
         for url in self.names:
@@ -73,7 +74,7 @@ class SoftStack:
             argv += ["--" + k.replace("_", "-"), str(v)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
         env["PYTHONPATH"] = str(REPO)
-        proc = self.stack.spawn("proxy", argv, env, f"http://127.0.0.1:{public}", inherit_env=False)
+        proc = self.stack.spawn("proxy", argv, env, f"http://127.0.0.1:{public}", inherit_env=False, socks=socks)
         try:
             self.stack.wait_http([proc], "/ready", 60)
             self.proxy_url, self.internal_url = proc.url, f"http://127.0.0.1:{internal}"
@@ -92,22 +93,26 @@ def soft(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report):
 def soft_stack(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report, name: str, **extra):
     """Start the stack (for a module fixture: ``yield from``), stop it and check nothing is left behind."""
     workdir = tmp_path_factory.mktemp(name)
-    keys = ["kv_zmq", "kv_http", "prefill_base", "decode_base", "proxy", "proxy_internal"]
-    ports = dict(zip(keys, free_ports(len(keys))))
-    ports["both_base"] = _free_port_pair()
-    plan = soft_plan(tiny_model_dir, engines_venv_dir, ports, **extra)
-    (workdir / "plan.json").write_text(json.dumps(plan, indent=2))
-    sink = TelemetrySink(ports["proxy_internal"])
-    stack = RealStack(plan=plan, workdir=workdir, sink=sink)
+    sink = TelemetrySink()            # the Plan's internal port, where the workers post: bound on port 0, held
+
+    def make_plan(ports: dict) -> dict:
+        ports.update(proxy_internal=sink.port, both_base=_free_port_pair())
+        return soft_plan(tiny_model_dir, engines_venv_dir, ports, **extra)
     t0 = time.monotonic()
+    stack = None
     try:
-        stack.start(kv_timeout_s=START_TIMEOUT_S / 2, engines_timeout_s=START_TIMEOUT_S)
+        # the Plan's public proxy port stays a probe: nothing binds it here (SoftStack.proxy binds its own)
+        stack, ports = start_on_probed_ports(workdir, ["kv_zmq", "kv_http", "prefill_base", "decode_base", "proxy"],
+                                             make_plan, sink=sink, kv_timeout_s=START_TIMEOUT_S / 2,
+                                             engines_timeout_s=START_TIMEOUT_S)
+        plan = stack.plan
         real_report[name.replace("-", "_") + "_stack"] = {**stack.timings, "ready_s": round(time.monotonic() - t0, 1),
                                                           "plan_built_by": f"make_plan(both=2{', ' if extra else ''}"
                                                                            f"{', '.join(f'{k}={v}' for k, v in extra.items())})"}
         yield SoftStack(stack=stack, ports=ports, names=[f"http://127.0.0.1:{w['port']}" for w in plan["workers"]])
     finally:
-        stack.stop()
+        if stack is not None:
+            stack.stop()
         sink.close()
     leaked = [p.name for p in stack.procs.values() if p.group_alive()]
     assert not leaked, f"process groups still alive after stop: {leaked}"

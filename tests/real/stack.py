@@ -56,7 +56,11 @@ def engines_venv_or_skip() -> Path:
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (held open together so they differ)."""
+    """n distinct free loopback ports (held open together so they differ), closed again when this returns.
+
+    Free *now* only: any other process (or an outgoing connection's ephemeral port) may take one before the
+    server binds it. Servers that can take a socket get one from ``held_sockets`` instead; for those that bind
+    themselves (LMCache, vLLM) ``start_on_probed_ports`` retries on ``port_taken``."""
     socks = []
     try:
         for _ in range(n):
@@ -67,6 +71,48 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def held_sockets(n: int) -> list[socket.socket]:
+    """n loopback TCP sockets bound to ports the kernel picked (port 0) and kept open, so nobody can take the
+    port before the server does: ``RealStack.spawn(..., socks=...)`` hands them over (as systemd's
+    pd-proxy.socket does). Bound, not yet listening: until then a connect is refused, as with no server."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return socks
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+
+
+def port_of(sock: socket.socket) -> int:
+    return sock.getsockname()[1]
+
+
+PORT_TAKEN = "address already in use"
+
+
+def port_taken(exc: BaseException) -> bool:
+    """The error of a server that could not bind its port (the log tail in ``RealStack.wait_http``'s error)."""
+    return PORT_TAKEN in str(exc).lower()
+
+
+# Runs as the child: moves the handed-over fds to 3.. and sets LISTEN_PID to its own pid (kept by the exec),
+# as systemd does for socket activation (sd_listen_fds(3)); then execs the server.
+_HANDOVER = ("import fcntl, os, sys\n"
+             "n = int(sys.argv[1]); fds = [int(f) for f in sys.argv[2:2 + n]]\n"
+             "high = [fcntl.fcntl(f, fcntl.F_DUPFD, 3 + n) for f in fds]\n"
+             "for f in fds:\n"
+             "    if f >= 3 + n: os.close(f)\n"
+             "for i, f in enumerate(high):\n"
+             "    os.dup2(f, 3 + i); os.close(f)\n"
+             "os.environ['LISTEN_PID'] = str(os.getpid())\n"
+             "os.execvp(sys.argv[2 + n], sys.argv[2 + n:])\n")
 
 
 def metric_sum(text: str, name: str) -> float:
@@ -87,7 +133,7 @@ class TelemetrySink:
     proxy act on them.
     """
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.events: list[dict] = []
         self.forward_to: str | None = None
         self._cond = threading.Condition()
@@ -120,6 +166,7 @@ class TelemetrySink:
                 pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self._server.server_address[1]      # the kernel's pick for port 0: no probe-then-bind race
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
@@ -194,6 +241,7 @@ class RealStack:
     procs: dict = field(default_factory=dict)        # name -> Proc
     timings: dict = field(default_factory=dict)      # step -> seconds
     sink: TelemetrySink | None = None                # stands in for the proxy's telemetry endpoint
+    held: dict = field(default_factory=dict)         # name -> socket held for a server not started yet (spawn socks)
 
     # ---- plan accessors -----------------------------------------------------------------------------
     def worker(self, role: str) -> dict:
@@ -207,17 +255,33 @@ class RealStack:
         return f"http://127.0.0.1:{self.worker(role)['port']}"
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def spawn(self, name: str, argv: list, env: dict, url: str, inherit_env: bool = True) -> Proc:
-        """Start one process in its own session; ``inherit_env`` adds only PASSTHROUGH_ENV to ``env``."""
+    def spawn(self, name: str, argv: list, env: dict, url: str, inherit_env: bool = True,
+              socks: dict | None = None) -> Proc:
+        """Start one process in its own session; ``inherit_env`` adds only PASSTHROUGH_ENV to ``env``.
+
+        ``socks`` ({name: socket from ``held_sockets``}) are handed over as systemd's socket activation does:
+        listening, as fds 3.. with LISTEN_FDS/LISTEN_FDNAMES/LISTEN_PID (the proxy adopts them by name, e.g.
+        ``public``/``internal``); this process closes its copies, so the port is the child's alone."""
         base = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ} if inherit_env else {}
+        argv, env = [str(a) for a in argv], {**base, **env}
+        fds: tuple = ()
+        if socks:
+            for s in socks.values():
+                s.listen(2048)
+            fds = tuple(s.fileno() for s in socks.values())
+            env.update(LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=":".join(socks))
+            argv = [sys.executable, "-c", _HANDOVER, str(len(fds)), *map(str, fds), *argv]
         log = self.workdir / f"{name}.log"
         n = 1
         while log.exists():          # a restarted process keeps its predecessor's log
             log, n = self.workdir / f"{name}.{n}.log", n + 1
-        with open(log, "wb") as fh:
-            popen = subprocess.Popen([str(a) for a in argv], env={**base, **env}, stdout=fh,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=self.workdir, start_new_session=True)
+        try:
+            with open(log, "wb") as fh:
+                popen = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, pass_fds=fds,
+                                         stdin=subprocess.DEVNULL, cwd=self.workdir, start_new_session=True)
+        finally:
+            for s in (socks or {}).values():
+                s.close()
         proc = Proc(name=name, popen=popen, log=log, url=url)
         self.procs[name] = proc
         return proc
@@ -277,10 +341,42 @@ class RealStack:
             _signal_group(p.popen, signal.SIGTERM)
         for p in order:
             _reap_group(p, t0 + grace_s)
+        for sock in self.held.values():
+            sock.close()
         self.timings["stop_s"] = round(time.monotonic() - t0, 1)
 
     def memory(self) -> dict:
         return {name: p.rss_bytes() for name, p in self.procs.items()}
+
+
+def start_on_probed_ports(workdir: Path, keys: list, make_plan, sink: TelemetrySink | None = None,
+                          held: dict | None = None, tries: int = 3, **start_kw) -> tuple[RealStack, dict]:
+    """Start LMCache + the engines on ports probed free for ``keys``; returns (the started stack, the ports).
+
+    ``make_plan(ports)`` builds the plan (it may probe more ports into ``ports``); it is written to plan.json.
+    LMCache and vLLM bind their ports themselves (they cannot take a socket), so a port probed free may be
+    taken before they bind it: then the stack is stopped and started again on newly probed ports, ``tries``
+    times in all. Ports that ``held`` sockets or the ``sink`` own stay the same across tries.
+    """
+    for attempt in range(1, tries + 1):
+        ports = dict(zip(keys, free_ports(len(keys))))
+        plan = make_plan(ports)
+        (workdir / "plan.json").write_text(json.dumps(plan, indent=2))
+        stack = RealStack(plan=plan, workdir=workdir, sink=sink)
+        try:
+            stack.start(**start_kw)
+        except BaseException as e:
+            stack.stop()
+            if attempt == tries or not port_taken(e):
+                for sock in (held or {}).values():
+                    sock.close()
+                raise
+            print(f"a probed port was taken before its server bound it (try {attempt} of {tries}); "
+                  f"again on new ports: {str(e).splitlines()[0]}", file=sys.stderr)
+            continue
+        stack.held.update(held or {})
+        return stack, ports
+    raise AssertionError("unreachable")
 
 
 def _reap_group(proc: Proc, deadline: float) -> None:

@@ -27,7 +27,8 @@ from tests.waits import wait_until
 
 from .conftest import L1_SIZE_GB, START_TIMEOUT_S
 from .stack import (CHUNK, EXT_HITS, LMC_HITS, LMC_WRITES, REPO, RealStack, complete, expected_hit_tokens,
-                    free_ports, long_prompt, plan_for, scrape)
+                    free_ports, held_sockets, long_prompt, plan_for, port_of, port_taken, scrape,
+                    start_on_probed_ports)
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
@@ -53,17 +54,20 @@ def _registered(http: httpx.Client, kv_http: str) -> set:
 @pytest.fixture(scope="module")
 def reap_stack(engines_venv_dir, tiny_model_dir, tmp_path_factory, real_report):
     workdir = tmp_path_factory.mktemp("reap-stack")
-    keys = ["kv_zmq", "kv_http", "prefill_base", "decode_base", "proxy", "proxy_internal", "control"]
-    ports = dict(zip(keys, free_ports(len(keys))))
-    plan = plan_for(tiny_model_dir, engines_venv_dir, ports, L1_SIZE_GB, workdir,
-                    {"PDCTL_KV_SERVER_WORKER_REAP_TIMEOUT_S": str(REAP_S)})
-    kv = plan["kv_server"]
-    assert kv["argv"][kv["argv"].index("--worker-reap-timeout-seconds") + 1] == f"{REAP_S:g}"   # from the setting
-    kv["argv"] = _argv_with(kv["argv"], "--worker-registration-grace-seconds", f"{GRACE_S:g}")
-    (workdir / "plan.json").write_text(json.dumps(plan, indent=2))
-    stack = RealStack(plan=plan, workdir=workdir)
+    socks = dict(zip(("public", "internal"), held_sockets(2)))     # the proxy's, held until it takes them
+
+    def make_plan(ports: dict) -> dict:
+        ports.update(proxy=port_of(socks["public"]), proxy_internal=port_of(socks["internal"]))
+        plan = plan_for(tiny_model_dir, engines_venv_dir, ports, L1_SIZE_GB, workdir,
+                        {"PDCTL_KV_SERVER_WORKER_REAP_TIMEOUT_S": str(REAP_S)})
+        kv = plan["kv_server"]
+        assert kv["argv"][kv["argv"].index("--worker-reap-timeout-seconds") + 1] == f"{REAP_S:g}"  # the setting
+        kv["argv"] = _argv_with(kv["argv"], "--worker-registration-grace-seconds", f"{GRACE_S:g}")
+        return plan
+    stack, ports = start_on_probed_ports(workdir, ["kv_zmq", "kv_http", "prefill_base", "decode_base"], make_plan,
+                                         held=socks, kv_timeout_s=START_TIMEOUT_S / 2,
+                                         engines_timeout_s=START_TIMEOUT_S)
     try:
-        stack.start(kv_timeout_s=START_TIMEOUT_S / 2, engines_timeout_s=START_TIMEOUT_S)
         yield stack, ports
     finally:
         stack.stop()
@@ -74,9 +78,27 @@ def _start_proxy(stack: RealStack, ports: dict):
             "--listen", f"127.0.0.1:{ports['proxy']}", "--internal", f"127.0.0.1:{ports['proxy_internal']}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
     env["PYTHONPATH"] = str(REPO)
-    proc = stack.spawn("proxy", argv, env, f"http://127.0.0.1:{ports['proxy']}", inherit_env=False)
+    proc = stack.spawn("proxy", argv, env, f"http://127.0.0.1:{ports['proxy']}", inherit_env=False,
+                       socks={k: stack.held.pop(k) for k in ("public", "internal")})
     stack.wait_http([proc], "/ready", 90)
     return proc
+
+
+def _start_control(stack: RealStack, tries: int = 3) -> tuple:
+    """A second decoder that nothing warms, on a port probed just now: vLLM binds it itself, so a port taken
+    meanwhile ("address already in use") means another try on a new port. Returns (proc, its URL)."""
+    d = stack.worker("decode")
+    for attempt in range(1, tries + 1):
+        (port,) = free_ports(1)
+        url = f"http://127.0.0.1:{port}"
+        ctl = stack.spawn("control-decoder", _argv_with(d["argv"], "--port", str(port)), d["env"], url)
+        try:
+            stack.wait_http([ctl], "/health", START_TIMEOUT_S)
+            return ctl, url
+        except RuntimeError as e:
+            stack.stop_one(ctl)
+            if attempt == tries or not port_taken(e):
+                raise
 
 
 def test_idle_past_reap_and_grace_first_request_hits_and_does_not_hang(reap_stack, real_report):
@@ -101,10 +123,7 @@ def test_idle_past_reap_and_grace_first_request_hits_and_does_not_hang(reap_stac
         assert wait_until(lambda: scrape(http, stack.kv_http, LMC_WRITES) - w0 >= want // CHUNK, 20, 0.2), "not stored"
 
         # the control: another decoder, started now, that nothing warms (the proxy does not know it)
-        d = stack.worker("decode")
-        ctl_url = f"http://127.0.0.1:{ports['control']}"
-        ctl = stack.spawn("control-decoder", _argv_with(d["argv"], "--port", str(ports["control"])), d["env"], ctl_url)
-        stack.wait_http([ctl], "/health", START_TIMEOUT_S)
+        _ctl, ctl_url = _start_control(stack)
         ctl_id = wait_until(lambda: (_registered(http, stack.kv_http) - pd_ids) or None, 30, 1.0)
         assert ctl_id and len(ctl_id) == 1, ctl_id
         t_ctl = time.monotonic()
