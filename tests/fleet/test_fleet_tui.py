@@ -162,6 +162,28 @@ def tui_screenshot(config: Path, out: Path, size: str, after: float = 4.0) -> li
     return svg_text(out.read_text())
 
 
+def shows(lines: list[str], **want: list) -> bool:
+    """Each named box has its row and its first cells are ``want[name]``."""
+    for name, cells in want.items():
+        try:
+            if row(lines, name)[1:1 + len(cells)] != cells:
+                return False
+        except AssertionError:
+            return False
+    return True
+
+
+def tui_screen_until(config: Path, out: Path, size: str, ready, tries: int = 4) -> list[str]:
+    """The screen once ``ready(lines)`` holds: a fresh screenshot each try (``tries`` at most), since on a busy box
+    the first fleet round may land after a screenshot's few seconds. The last screen comes back either way, for
+    the asserts to say what it showed."""
+    for _ in range(tries):
+        lines = tui_screenshot(config, out, size)
+        if ready(lines):
+            break
+    return lines
+
+
 @needs_router
 def test_tui_on_a_front_node_shows_the_live_box_ready_and_the_dead_one_down(box, tmp_path):  # noqa: F811
     live = Node("127.0.0.1", box.plan.proxy.port, name="live", status_port=box.plan.proxy.internal_port)
@@ -186,7 +208,9 @@ def test_tui_on_a_front_node_shows_the_live_box_ready_and_the_dead_one_down(box,
                 break
             time.sleep(0.2)
 
-        lines = tui_screenshot(front / "pdctl.toml", tmp_path / "front-160.svg", "160x48")
+        def both_shown(lines: list[str]) -> bool:
+            return shows(lines, live=["ok", "ready"], dead=["down", "NA"])
+        lines = tui_screen_until(front / "pdctl.toml", tmp_path / "front-160.svg", "160x48", both_shown)
         text = "\n".join(lines)
         assert "pdctl fleet · front node · 1/2 boxes ready · DEGRADED" in text, text
         assert "router ok · " + fleet.router.url in text, text
@@ -198,7 +222,7 @@ def test_tui_on_a_front_node_shows_the_live_box_ready_and_the_dead_one_down(box,
         assert "dead: down: connection refused or unreachable" in text, text   # the reason, in the why pane
         assert "roles" not in text and "GPUs" not in text                       # no local box: no local panels
 
-        lines = tui_screenshot(front / "pdctl.toml", tmp_path / "front-80.svg", "80x24")   # over SSH
+        lines = tui_screen_until(front / "pdctl.toml", tmp_path / "front-80.svg", "80x24", both_shown)  # over SSH
         assert row(lines, "live")[1:3] == ["ok", "ready"]
         assert row(lines, "dead")[1:3] == ["down", "NA"]
 
@@ -208,7 +232,8 @@ def test_tui_on_a_front_node_shows_the_live_box_ready_and_the_dead_one_down(box,
         shutil.copy(box.workdir / "plan.json", both / "plan.json")
         (both / "pdctl.toml").write_text("schema_version = 1\n")
         write_json(both / C.FLEET_PLAN.name, fleet.to_json())
-        lines = tui_screenshot(both / "pdctl.toml", tmp_path / "both-160.svg", "160x48")
+        lines = tui_screen_until(both / "pdctl.toml", tmp_path / "both-160.svg", "160x48",
+                                 lambda lines: shows(lines, live=["ok", "ready"], dead=["down"]))
         text = "\n".join(lines)
         assert "roles" in text and "GPUs" in text and "fleet · 1/2 boxes ready" in text, text
         assert row(lines, "live")[1:3] == ["ok", "ready"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from rich.text import Text  # noqa: E402
@@ -227,3 +229,37 @@ async def test_a_failing_fleet_source_is_shown_not_fatal():
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         assert "fleet source failed: boom" in plain(app, "#fleet-line")
+
+
+README_SIZES = [(80, 24), (120, 40), (160, 48)]
+
+
+def table_lines(table) -> list[str]:
+    return [table.render_line(y).text.rstrip() for y in range(table.region.height)]
+
+
+@pytest.mark.parametrize("also_a_box", [False, True], ids=["front-only", "box-and-front"])
+@pytest.mark.parametrize("size", README_SIZES, ids=[f"{w}x{h}" for w, h in README_SIZES])
+async def test_box_names_are_whole_as_soon_as_a_round_lands_at_every_size(size, also_a_box):
+    """The columns never wait for the table to measure its cells: a round drawn (or screenshot) before the
+    table's next idle showed every auto-fitted column as wide as its label ('liv', 'dea', url 'htt', why 'dow')."""
+    app = PdctlApp(Scripted(full(4)) if also_a_box else None, refresh=3600, fleet=ScriptedFleet(fleet_ok()))
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot)
+        table = app.query_one("#fleet")
+        if also_a_box:
+            await pilot.press("f")                                 # zoomed: the fleet table has the screen
+            await settle(pilot)
+        table.clear(columns=True)
+        table._pdctl_cols = None
+        app.fleet_view = None
+        app.render_fleet(fleet_ok(boxes=(live(name="live-box-in-rack-3"), dead())))
+        lines = table_lines(table)                                 # now: no pause, so no idle of the table yet
+        rows = {ln.strip("│ ").split()[0]: ln.strip("│ ").split() for ln in lines if ln.strip("│ ")}
+        assert rows.get("live-box-in-rack-3", [])[1:3] == ["ok", "ready"], "\n".join(lines)
+        assert rows.get("dead", [])[1:3] == ["down", "NA"], "\n".join(lines)
+        if size[0] >= 160:                                         # url and why in view at 160 columns
+            assert "http://10.0.0.12:9000" in rows["dead"] and "down:" in rows["dead"], "\n".join(lines)
+        widths = {k: c.width for k, c in table.columns.items()}
+        await settle(pilot)
+        assert {k: c.width for k, c in table.columns.items()} == widths   # and they stay: fixed, not fitted

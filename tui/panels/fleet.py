@@ -12,12 +12,16 @@ from textual.widgets import DataTable
 
 from appliance.fleet.status import render_text
 
-from .tables import _sync
+from .tables import _sync, id_width
 
-# narrow columns first: at 80 columns the box's state fits; url and why scroll in from the right
-FLEET_COLUMNS = (("box", "box"), ("health", "health"), ("ready", "ready"), ("router", "router"),
-                 ("breaker", "breaker"), ("routed", "routed"), ("run", "run"), ("okfail", "ok/fail"),
-                 ("phit", "P hit"), ("url", "url"), ("why", "why"))
+# narrow columns first: at 80 columns the box's state fits; url and why scroll in from the right.
+# (key, label, width): every width is fixed, never what the cells hold at that instant (an auto-fitted column is
+# as wide as its label until Textual measures the cells on its next idle: a busy screen or a screenshot in
+# between showed 'liv' for 'live'); box and url (0 here) fit the fleet plan's longest name and url (the same every
+# round, at most 32 and 40 cells); a longer text is cut (box, url and why with an ellipsis; the notes have it all)
+FLEET_COLUMNS = (("box", "box", 0), ("health", "health", 9), ("ready", "ready", 5), ("router", "router", 9),
+                 ("breaker", "breaker", 9), ("routed", "routed", 6), ("run", "run", 4), ("okfail", "ok/fail", 9),
+                 ("phit", "P hit", 5), ("url", "url", 0), ("why", "why", 80))
 STATE_STYLE = {"ready": "bold green", "degraded": "bold yellow", "down": "bold red"}
 
 
@@ -62,6 +66,11 @@ def box_reasons(b: Any) -> list[str]:
     return [w for w in out if w]
 
 
+def _cut(s: str, style: str = "") -> Text:
+    """Text that a fixed-width column longer than it cuts with an ellipsis (the notes have the whole text)."""
+    return Text(s, style=style, no_wrap=True, overflow="ellipsis")
+
+
 def _keys(view: Any) -> list[str]:
     seen: dict = {}
     keys = []
@@ -78,20 +87,27 @@ def fleet_rows(view: Any) -> list[tuple[str, dict]]:
         ok_fail = "NA" if b.requests_ok is None else f"{b.requests_ok}/{_n(b.requests_failed)}"
         why = "; ".join(box_reasons(b))
         rows.append((key, {
-            "box": b.name, "health": health_cell(b.health), "ready": ready_cell(b.ready),
+            "box": _cut(b.name), "health": health_cell(b.health), "ready": ready_cell(b.ready),
             "router": router_health_cell(b.router_health), "breaker": breaker_cell(b.router_breaker),
             "routed": _n(b.router_requests), "run": _n(b.router_running), "okfail": ok_fail,
             "phit": _n(None if b.prefill_hit_rate is None else 100 * b.prefill_hit_rate, "{:.0f}%"),
-            "url": b.url, "why": Text(why, style="yellow") if why else Text("-", style="dim"),
+            "url": _cut(b.url), "why": _cut(why, "yellow") if why else Text("-", style="dim"),
         }))
     if not rows:
-        rows.append(("none", {**{c: "" for c, _ in FLEET_COLUMNS}, "box": Text("no boxes in the fleet plan",
-                                                                             style="dim")}))
+        rows.append(("none", {**{c: "" for c, *_ in FLEET_COLUMNS}, "box": Text("no boxes in the fleet plan",
+                                                                              style="dim")}))
     return rows
 
 
+def fleet_columns(rows: list[tuple[str, dict]]) -> tuple:
+    """FLEET_COLUMNS with the widths of box and url from the plan's boxes (``rows``)."""
+    caps = {"box": 32, "url": 40}
+    return tuple((k, label, w or id_width(rows, k, label, caps[k])) for k, label, w in FLEET_COLUMNS)
+
+
 def render_fleet(table: DataTable, view: Any) -> None:
-    _sync(table, fleet_rows(view), FLEET_COLUMNS)
+    rows = fleet_rows(view)
+    _sync(table, rows, fleet_columns(rows))
     table.border_title = f"fleet · {ready_count(view)}/{len(view.boxes)} boxes ready"
 
 
