@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from .common import (LOAD_RPS, PDCTL, Load, curl, engine_pid, kv_counters, main_pid, plan, restarts, wait_until)
+from .common import (LOAD_RPS, PDCTL, Load, curl, engine_pid, kv_counters, main_pid, plan, proxy_status, restarts,
+                     wait_until)
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
@@ -161,6 +162,31 @@ def test_apply_of_a_proxy_setting_reloads_without_a_restart(box):
     assert res["ok"] == res["sent"], res
     out = apply(box)                                     # back to the installed settings: another reload
     assert "reloading pd-proxy.service" in out and main_pid(box, PROXY) == pid0
+
+
+def test_admission_mode_switched_by_reload_under_load_drops_nothing(box):
+    """`[admission] mode` from slo to queue and back, each by `pdctl apply` (a reload: plan.json only) while the
+    load runs: the same proxy process, every request answered, and the proxy's status says the new mode."""
+    pid0 = main_pid(box, PROXY)
+    assert (proxy_status(box) or {}).get("admission", {}).get("mode") == "slo"
+    old = set_keys(box, "admission", {"mode": "queue"})
+    try:
+        load = Load(box, model(box), LOAD_RPS, LOAD_S)
+        time.sleep(INJECT_AT)
+        out = apply(box)
+        mode_then = (proxy_status(box) or {}).get("admission", {}).get("mode")
+        box.write(CONF, old)
+        back = apply(box)
+        res = load.result()
+    finally:
+        box.write(CONF, old)
+    record("pdctl apply ([admission] mode slo -> queue -> slo): reload", res, None, "same proxy process")
+    assert "reloading pd-proxy.service" in out and "reloading pd-proxy.service" in back, (out + back)[-1500:]
+    assert main_pid(box, PROXY) == pid0, "the proxy was restarted, not reloaded"
+    assert mode_then == "queue" and (proxy_status(box) or {}).get("admission", {}).get("mode") == "slo"
+    msgs = [e.get("MESSAGE", "") for e in box.journal(PROXY)]
+    assert any("admission: mode queue" in m for m in msgs), msgs[-5:]
+    assert res["ok"] == res["sent"] and res["refused"] == 0 and res["e503"] == 0, res
 
 
 def test_kv_server_frozen_past_its_watchdog_is_restarted_and_hits_resume(box):
