@@ -21,6 +21,7 @@ from typing import Any
 
 from . import constants as C
 from . import metric_names as N
+from .admit import REFUSE
 
 JOB_PROXY, JOB_ENGINES, JOB_KV = "pdctl-proxy", "pdctl-engines", "pdctl-kvcache"
 SCRAPE_INTERVAL = "5s"
@@ -73,10 +74,17 @@ def panels() -> list[dict]:
          "(vLLM inter-token latency; a P leg emits one token and adds nothing).",
          [("p50", _q(0.5, C.VLLM_ITL, e)), ("p95", _q(0.95, C.VLLM_ITL, e))]),
         ("Requests, errors, migrations /s", "reqps", "Client requests through the proxy (its canary left "
-         "out); errors: box-side failures (not the client's 4xx); migrations: streams moved to another worker.",
+         "out); errors: box-side failures (not the client's 4xx, nor admission's refusals); migrations: streams "
+         "moved to another worker.",
          [("requests", _rate(C.PROXY_REQUESTS + "_total", px, client)),
           ("errors", _rate(C.PROXY_REQUESTS + "_total", px, f'{client},outcome!~"{OK_OUTCOMES}"')),
           ("migrations {{outcome}}", _rate(N.PROXY_MIGRATIONS + "_total", px, by="outcome"))]),
+        ("Goodput and refusals /s", "reqps", "Goodput: streamed answers within both SLOs (TTFT from arrival, "
+         "the answer's own TPOT); always read beside the refusals (a goodput that hides its refusals is "
+         "inflated): requests admission refused with 503 + Retry-After before any engine saw them.",
+         [("goodput", _rate(C.PROXY_GOOD + "_total", px)),
+          ("refused", _rate(C.PROXY_ADMISSION + "_total", px, f'outcome="{REFUSE}"')),
+          ("requests", _rate(C.PROXY_REQUESTS + "_total", px, client))]),
         ("Tokens /s", "short", "Prompt tokens the engines took in and tokens they generated.",
          [("in", _rate(C.VLLM_PROMPT_TOKENS + "_total", e)), ("out", _rate(C.VLLM_GENERATION_TOKENS + "_total", e))]),
         ("Cached prompt tokens (engines)", "percentunit", "Prompt tokens the engines took from a cache / all "
@@ -94,6 +102,15 @@ def panels() -> list[dict]:
         ("Decisions /s by kind and reason", "reqps", "Aggregated (one worker) or split (P leg, D leg), and why "
          "(appliance/decide.py).",
          [("{{kind}} {{reason}}", _rate(C.PROXY_DECISIONS + "_total", px, by="kind, reason"))]),
+        ("Admission verdicts /s by outcome and reason", "reqps", "admit (started), queue (waited in the "
+         "proxy's queue), refuse (503 + Retry-After), and why (appliance/admit.py); a request that waited and "
+         "then started counts once as queue and once as admit.",
+         [("{{outcome}} {{reason}}", _rate(C.PROXY_ADMISSION + "_total", px, by="outcome, reason"))]),
+        ("Admission queue depth", "short", "Requests waiting in the proxy's admission queue now.",
+         [("waiting", f'max({C.PROXY_QUEUE_DEPTH}{{job="{px}"}})')]),
+        ("Admission queue wait p50 / p95", "s", "Time a request spent in the admission queue (started or "
+         "refused).",
+         [("p50", _q(0.5, C.PROXY_QUEUE_WAIT, px)), ("p95", _q(0.95, C.PROXY_QUEUE_WAIT, px))]),
         ("Running / waiting per worker", "short", "vLLM's scheduler gauges, per worker.",
          [("{{worker}} running", f'sum by (worker) ({C.VLLM_RUNNING}{{job="{e}"}})'),
           ("{{worker}} waiting", f'sum by (worker) ({C.VLLM_WAITING}{{job="{e}"}})')]),

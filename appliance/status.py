@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from appliance.collector.snapshot import DecisionMix, LegCounts, Snapshot, UnitState
+from appliance.collector.snapshot import Admission, DecisionMix, LegCounts, Snapshot, UnitState
 from appliance.decide import AGGREGATE, SPLIT
 from appliance.inventory import NA, is_na
 
@@ -92,6 +92,33 @@ def decisions_text(mix: DecisionMix, short: bool = False) -> str:
     return (" " if short else ", ").join(parts)
 
 
+def per_s(v: Any, fmt: str = "{:.2f}") -> str:
+    """``0.50/s``, or ``NA`` (never ``NA/s``)."""
+    return "NA" if is_na(v) else fmt.format(v) + "/s"
+
+
+def refusals_text(adm: Admission, top: int = 3) -> str:
+    """The reasons of the refusals in the window, most first: ``deadline 0.40, queue_full 0.10``, ``none``, NA."""
+    if is_na(adm.refusals):
+        return "NA"
+    shown = ", ".join(f"{r.reason} {r.per_s:.2f}" for r in adm.refusals[:top])
+    more = len(adm.refusals) - top
+    return (shown + (f", +{more} more" if more > 0 else "")) or "none"
+
+
+def admission_text(adm: Admission) -> str:
+    """``slo  goodput 3.9 req/s  refused 0.50/s (deadline 0.40)  queue 3 (wait p95 420ms)  admitted 4.10/s``:
+    the goodput always beside the refusals (a goodput that hides its refusals is inflated), or NA with why."""
+    if is_na(adm.refused_per_s) and is_na(adm.queue_depth):
+        return f"NA ({adm.refused_per_s.reason})"
+    why = refusals_text(adm)
+    refused = per_s(adm.refused_per_s) + (f" ({why})" if why not in ("NA", "none") else "")
+    wait = "" if is_na(adm.queue_wait_p95_s) else f" (wait p95 {secs(adm.queue_wait_p95_s)})"
+    good = num(adm.goodput) + ("" if is_na(adm.goodput) else " req/s")
+    return (f"{text(adm.mode)}  goodput {good}  refused {refused}  "
+            f"queue {num(adm.queue_depth, '{:.0f}')}{wait}  admitted {per_s(adm.admitted_per_s)}")
+
+
 def legs_text(legs: LegCounts, short: bool = False) -> str:
     """Legs of each kind on one worker: ``full 3 / P 0 / D 1`` (``short``: ``F3 P0 D1``), or NA."""
     vals = (legs.full, legs.prefill, legs.decode)
@@ -118,6 +145,12 @@ def na_notes(snap: Snapshot) -> list[str]:
     mix = snap.proxy.decisions.aggregated
     if is_na(mix) and not any(n.endswith(": " + mix.reason) for n in notes):    # not "proxy down" again
         add("decisions", mix)
+    adm = snap.proxy.admission
+    for label, v in (("admission", adm.refused_per_s), ("admission mode", adm.mode), ("goodput", adm.goodput)):
+        if is_na(v) and not any(n.endswith(": " + v.reason) for n in notes):
+            add(label, v)
+        if label == "admission" and is_na(v):      # an older or absent proxy: its mode and goodput say the same
+            break
     add("kv server", snap.kv.health)
     add("kv metrics", snap.kv.hit_rate)
     for w in snap.workers:
@@ -159,6 +192,7 @@ def render_text(snap: Snapshot) -> str:
     mix = p.decisions
     why = f" ({mix.aggregated.reason})" if is_na(mix.aggregated) else f"   ({mix.decided:.0f} in the window)"
     out.append(f"decisions {decisions_text(mix)}{why}")
+    out.append(f"admission {admission_text(p.admission)}")
     k, lay = snap.kv, snap.kv_layers
     out.append(f"KV       prefill saved {pct(lay.prefill_saved)}   hit: engine {pct(lay.engine_local)}  "
                f"connector {pct(lay.connector)}  "

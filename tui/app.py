@@ -2,7 +2,8 @@
 
 Layout (app.tcss, responsive through the screen's width/height breakpoint classes): a header (plan, GPUs,
 model, uptime; the state and the one reason that matters), a summary row whose height is what the tables
-leave (latency charts, throughput, KV with prefill saved first), the decision mix, the roles table and the
+leave (latency charts with the goodput line, throughput with refusals and the admission queue, KV with prefill
+saved first), the decision mix, the roles table and the
 per-GPU table (each as tall as its rows), the journal pane on ``l``. Enter on a role opens its detail.
 
 Loop (dolphie's): a thread worker reads ``source.latest()``; on success the UI thread renders and
@@ -141,8 +142,9 @@ class PdctlApp(App):
             self.query_one("#latency").border_title = "latency"
             self.query_one("#kv").border_title = "KV cache"
             self.query_one("#kv").tooltip = summary.KV_TOOLTIP
-            self.query_one("#latency").tooltip = summary.tooltip("TTFT p50/p95", "TPOT p50/p95", "SLO")
-            self.query_one("#traffic").tooltip = summary.tooltip("req/s", "in / out tok/s", "errors/s", "migr/s")
+            self.query_one("#latency").tooltip = summary.tooltip("TTFT p50/p95", "TPOT p50/p95", "SLO", "goodput")
+            self.query_one("#traffic").tooltip = summary.tooltip("req/s", "in / out tok/s", "errors/s", "refused/s",
+                                                                 "queued", "migr/s")
             self.query_one("#traffic").border_title = "throughput"
             self.query_one("#roles").border_title = "roles"
             self.query_one("#gpus").border_title = "GPUs"
@@ -214,7 +216,8 @@ class PdctlApp(App):
         with self.batch_update():
             self._set("#title", self._title())
             self._set("#why", header_panel.state_line(snap))
-            self.query_one("#latency", LatencyPanel).set_data(summary.latency_series(snap), snap.interval_s)
+            self.query_one("#latency", LatencyPanel).set_data(summary.latency_series(snap), snap.interval_s,
+                                                              summary.goodput_line(snap))
             self.query_one("#kv", RowsPanel).set_rows(summary.kv(snap))
             self.query_one("#traffic", RowsPanel).set_rows(summary.throughput(snap))
             self._set("#decisions", summary.mix_text(snap))

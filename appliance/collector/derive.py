@@ -14,6 +14,7 @@ from appliance import constants as C
 from appliance.inventory import NA, is_na
 
 from .. import metric_names as N
+from . import admission as ADM
 from . import figures as F
 from . import routing
 from .rates import Window, quantile, ratio, sum_values
@@ -37,7 +38,8 @@ _K_WANTED = N.all_names(N.LMCACHE)
 _P_WANTED = N.all_names(N.PROXY)
 # charted series (tick-aligned, NaN gaps); per GPU also "gpu<i>:util" (0..100) and "gpu<i>:mem" (0..1)
 HISTORY_SERIES = ("ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95", "req_per_s", "prompt_tps", "gen_tps",
-                  "errors_per_s", "migrations_per_s", "prefill_saved", "kv_hit")
+                  "errors_per_s", "migrations_per_s", "prefill_saved", "kv_hit", "goodput", "refused_per_s",
+                  "queue_depth")
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ def cumulative(plan: Any, eps: Endpoints, m: Parsed) -> dict:
             for reason, v in pm.by_label(name, "reason", "_total").items():
                 vals[f"px:skip:{reason}"] = v
         vals.update(routing.cumulative(pm, eps.who))
+        vals.update(ADM.cumulative(pm))
     return {k: v for k, v in vals.items() if v is not None}
 
 
@@ -155,7 +158,8 @@ def history_values(p: Parts) -> dict:
             "tpot_p95": p.tpot_p95_s, "req_per_s": p.proxy.req_per_s, "prompt_tps": p.traffic.prompt_tps,
             "gen_tps": p.traffic.gen_tps, "errors_per_s": p.traffic.errors_per_s,
             "migrations_per_s": p.traffic.migrations_per_s, "prefill_saved": p.layers.prefill_saved,
-            "kv_hit": p.layers.kv_server}
+            "kv_hit": p.layers.kv_server, "goodput": p.proxy.admission.goodput,
+            "refused_per_s": p.proxy.admission.refused_per_s, "queue_depth": p.proxy.admission.queue_depth}
     for g in p.gpus:
         vals[f"gpu{g.index}:util"] = g.util_pct
         vals[f"gpu{g.index}:mem"] = (g.mem_used_bytes / g.mem_total_bytes
@@ -366,7 +370,8 @@ class _Derive:
         return ProxyStatus(url=self.eps.proxy_url, unit=C.PROXY_UNIT, health=health, ready=ready, req_per_s=req,
                            inflight=inflight, ttft_p50_s=ttft_p50, ttft_p95_s=ttft_p95, pd_skipped=skipped,
                            retries_per_s=retries, breakers=breakers, uptime_s=uptime,
-                           decisions=routing.mix(win, pm), state=state)
+                           decisions=routing.mix(win, pm), state=state,
+                           admission=ADM.figures(win, pm, doc if st.ok else NA(f"{st.url}: {st.error}")))
 
     def layers(self, workers: tuple, kv: KVServerStatus, legs_exposed: Any) -> KVLayers:
         """Token-weighted hit rate across workers per layer (Σhits/Σqueries, not a mean of ratios)."""

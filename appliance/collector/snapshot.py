@@ -126,6 +126,31 @@ class DecisionMix:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    reason: str                  # one of appliance.admit REASONS (deadline, expired, queue_full, client_gone)
+    per_s: float                 # refusals for this reason per second over the window
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the proxy's admission (appliance/admit.py) did over the window: started, queued, refused (503 +
+    Retry-After before any engine saw the request), the queue now, and the goodput beside the refusals."""
+    mode: Str                    # slo | queue | off (the proxy's status JSON)
+    admitted_per_s: Num          # requests started per second (at arrival, or from the queue)
+    queued_per_s: Num            # requests that joined the queue per second
+    refused_per_s: Num           # requests refused per second (a client that left the queue included)
+    refusals: Union[tuple, NA]   # Refusal per reason, largest first (reasons with none in the window left out)
+    queue_depth: Num             # requests waiting in the proxy's queue now (gauge)
+    queue_wait_p95_s: Num        # from the queue-wait histogram's bucket deltas over the window
+    goodput: Num                 # streamed answers within both SLOs per second
+
+    @classmethod
+    def na(cls, reason: str, mode: Any = None) -> "Admission":
+        na = NA(reason)
+        return cls(na if mode is None else mode, na, na, na, na, na, na, na)
+
+
+@dataclass(frozen=True)
 class ProxyStatus:
     url: str
     unit: str
@@ -141,6 +166,7 @@ class ProxyStatus:
     uptime_s: Num
     decisions: DecisionMix
     state: UnitState
+    admission: Admission = Admission.na("not collected")
 
 
 @dataclass(frozen=True)

@@ -126,12 +126,15 @@ TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 def proxy_metrics(requests: float, ttft_obs: list[float], skipped: dict | None = None, retries: float = 0,
                   inflight: float = 0, start_time: float = 1.7e9, backend_state: dict | None = None,
                   decisions: dict | None = None, legs: dict | None = None,
-                  legs_inflight: dict | None = None) -> str:
+                  legs_inflight: dict | None = None, admission: dict | None = None, queue_depth: float = 0,
+                  good: float = 0, queue_wait: list[float] | None = None) -> str:
     """pdctl proxy names (appliance.constants PROXY_*), written as prometheus_client exposes them.
 
     ``decisions`` {(kind, reason): n}, ``legs`` / ``legs_inflight`` {(backend, leg): n}: None leaves the family
     out (a proxy older than the per-request decision); {} writes only its HELP/TYPE lines, as prometheus_client
-    does for a labelled metric before its first use."""
+    does for a labelled metric before its first use. ``admission`` {(outcome, reason, priority): n}: None leaves
+    every admission family out (a proxy older than admission); else the queue-depth gauge, the good-requests
+    counter and the queue-wait histogram (``queue_wait``: the waits observed) come with it."""
     lines = ["# HELP process_start_time_seconds Start time", "# TYPE process_start_time_seconds gauge",
              f"process_start_time_seconds {start_time}",
              "# HELP pdctl_proxy_requests_total Requests", "# TYPE pdctl_proxy_requests_total counter",
@@ -164,6 +167,21 @@ def proxy_metrics(requests: float, ttft_obs: list[float], skipped: dict | None =
         lines += ["# HELP pdctl_proxy_legs_inflight Legs open", "# TYPE pdctl_proxy_legs_inflight gauge"]
         lines += [f'pdctl_proxy_legs_inflight{{backend="{b}",leg="{leg}"}} {float(v)}'
                   for (b, leg), v in legs_inflight.items()]
+    if admission is not None:
+        lines += ["# HELP pdctl_proxy_admission_total Verdicts", "# TYPE pdctl_proxy_admission_total counter"]
+        lines += [f'pdctl_proxy_admission_total{{outcome="{o}",priority="{pr}",reason="{r}"}} {float(v)}'
+                  for (o, r, pr), v in admission.items()]
+        lines += ["# HELP pdctl_proxy_queue_depth Waiting", "# TYPE pdctl_proxy_queue_depth gauge",
+                  f"pdctl_proxy_queue_depth {float(queue_depth)}",
+                  "# HELP pdctl_proxy_good_requests_total Good", "# TYPE pdctl_proxy_good_requests_total counter",
+                  f"pdctl_proxy_good_requests_total {float(good)}",
+                  "# HELP pdctl_proxy_queue_wait_seconds Wait", "# TYPE pdctl_proxy_queue_wait_seconds histogram"]
+        waits = queue_wait or []
+        for b in TTFT_BOUNDS:
+            lines.append(f'pdctl_proxy_queue_wait_seconds_bucket{{le="{b}"}} {float(sum(1 for x in waits if x <= b))}')
+        lines += [f'pdctl_proxy_queue_wait_seconds_bucket{{le="+Inf"}} {float(len(waits))}',
+                  f"pdctl_proxy_queue_wait_seconds_count {float(len(waits))}",
+                  f"pdctl_proxy_queue_wait_seconds_sum {sum(waits)}"]
     return "\n".join(lines) + "\n"
 
 

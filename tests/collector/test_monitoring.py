@@ -131,3 +131,25 @@ def test_every_expression_names_metrics_the_live_twin_stack_exposes(twin_stack):
     assert used - AWAITED <= set().union(*jobs.values())
     missing = AWAITED - set().union(*jobs.values())
     print(f"dashboard: {len(used)} metric names checked against the twin stack; awaited: {sorted(missing)}")
+
+
+def test_admission_is_on_the_board_goodput_beside_throughput():
+    """Issue 28 point 6: verdicts by outcome and reason, the queue, and the goodput in the panel beside the
+    requests (same row), its refusals in the same panel; refusals are not counted as errors."""
+    from appliance import constants as C
+    doc = json.loads((ROOT / "etc" / monitoring.DASHBOARD_NAME).read_text())
+    by_title = {p["title"]: p for p in doc["panels"]}
+    req, good = by_title["Requests, errors, migrations /s"], by_title["Goodput and refusals /s"]
+    assert good["gridPos"]["y"] == req["gridPos"]["y"] and good["gridPos"]["x"] != req["gridPos"]["x"]
+    used = {name for t in good["targets"] for name, _ in selectors(t["expr"])}
+    assert {C.PROXY_GOOD + "_total", C.PROXY_ADMISSION + "_total"} <= used
+    assert any('outcome="refuse"' in t["expr"] for t in good["targets"])
+    verdicts = by_title["Admission verdicts /s by outcome and reason"]["targets"]
+    assert verdicts[0]["legendFormat"] == "{{outcome}} {{reason}}" and "by (outcome, reason)" in verdicts[0]["expr"]
+    assert selectors(by_title["Admission queue depth"]["targets"][0]["expr"]) == [(C.PROXY_QUEUE_DEPTH,
+                                                                                   monitoring.JOB_PROXY)]
+    waits = by_title["Admission queue wait p50 / p95"]
+    assert waits["fieldConfig"]["defaults"]["unit"] == "s"
+    assert [selectors(t["expr"])[0][0] for t in waits["targets"]] == [C.PROXY_QUEUE_WAIT + "_bucket"] * 2
+    errors = next(t["expr"] for t in req["targets"] if t["legendFormat"] == "errors")
+    assert "overloaded" in errors and 'outcome!~"' in errors

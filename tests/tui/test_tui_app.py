@@ -277,3 +277,57 @@ def test_plan_shape_counts_workers_that_serve_either_leg():
     assert plan_shape(snap) == "1P3D"
     both = replace(snap, workers=tuple(replace(w, role="both") if w.role == "decode" else w for w in snap.workers))
     assert plan_shape(both) == "1P0D3B"
+
+
+async def test_refusals_and_the_queue_beside_throughput_and_the_goodput_under_the_latency_charts():
+    app = make([full(8)])
+    async with app.run_test(size=(80, 24)) as pilot:                       # 80x24: every row and line whole
+        await settle(pilot)
+        tp = shown(app, "#traffic").splitlines()
+        refused = next(ln for ln in tp if "refused/s" in ln)
+        queued = next(ln for ln in tp if "queued" in ln)
+        assert "0.50" in refused and queued.rstrip("│ ").endswith("3") and any("migr/s" in ln for ln in tp)
+        lat = [ln for ln in shown(app, "#latency").splitlines() if ln.strip()]
+        assert lat[0].startswith("TTFT") and lat[3].startswith("TPOT")         # two chart rows each, as before
+        assert lat[-1] == "goodput 3.6/s · refused 0.50/s"                    # the last line, under the charts
+        await pilot.resize_terminal(200, 60)
+        await settle(pilot)
+        assert "goodput 3.6 req/s in SLO · refused 0.50/s · queued 3 · wait p95 420ms" in shown(app, "#latency")
+        assert "goodput:" in str(app.query_one("#latency").tooltip)
+        assert "refused/s:" in str(app.query_one("#traffic").tooltip)
+
+
+async def test_an_older_proxy_shows_na_for_admission_and_the_help_says_why():
+    app = make([degraded()])
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert "goodput NA (press ? for why)" in shown(app, "#latency")
+        refused = next(ln for ln in shown(app, "#traffic").splitlines() if "refused/s" in ln)
+        assert refused.rstrip("│ ").endswith("NA")
+        await pilot.press("question_mark")
+        await settle(pilot)
+        text = str(app.screen.query_one("#help-text").render())
+        assert "admission: proxy exposes no pdctl_proxy_admission_total (older than admission)" in text
+        assert "goodput" in text and "refused/s" in text and "queued" in text     # the numbers are explained
+
+
+def test_goodput_line_forms_keep_the_refusals_beside_the_goodput():
+    from tui.panels.summary import goodput_line
+    fit = goodput_line(full(4))
+    assert fit.pick(200).plain == "goodput 3.6 req/s in SLO · refused 0.50/s · queued 3 · wait p95 420ms"
+    assert fit.pick(45).plain == "goodput 3.6/s · refused 0.50/s · queued 3"
+    assert fit.pick(30).plain == "goodput 3.6/s · refused 0.50/s"
+    assert fit.pick(10).plain.startswith("good 3.6 refused 0.50")          # cut at the end, never the refusals first
+
+
+def test_the_proxy_detail_lists_admission():
+    from rich.console import Console
+
+    from tui.panels.detail import body
+    con = Console(width=120, record=True)
+    con.print(body(full(4), "pd-proxy.service", 120))
+    out = con.export_text()
+    assert "admission" in out and "slo" in out
+    assert "goodput" in out and "3.6 req/s within both SLOs" in out
+    assert "0.50/s (deadline 0.40, expired 0.10)" in out
+    assert "queue wait p95" in out and "420ms" in out

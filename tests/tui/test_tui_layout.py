@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from rich.text import Text  # noqa: E402
 from tui_scripted import (DEMO_UNITS, LOADING, Scripted, degraded, demo, full, loading,  # noqa: E402
                           shown)
 
@@ -21,7 +22,7 @@ SIZES = [(80, 24), (120, 40), (200, 60)]
 STATES = {"healthy": lambda: full(8), "loading": loading, "degraded": degraded, "demo": demo}
 PANELS = ("#title", "#why", "#latency", "#traffic", "#kv", "#decisions")
 KV_LABELS = ("prefill saved", "engine prefix", "LMCache conn.", "KV server", "L1 used", "evictions/s")
-TRAFFIC_LABELS = ("req/s", "in tok/s", "out tok/s", "errors/s", "migr/s")
+TRAFFIC_LABELS = ("req/s", "in tok/s", "out tok/s", "errors/s", "refused/s", "queued", "migr/s")
 FREE_TEXT = {"status"}          # STATUS= / readiness text: cut with an ellipsis to the table's width, on purpose
 
 
@@ -50,7 +51,7 @@ async def test_every_panel_fits_its_box_and_nothing_overlaps(state, size):
         for label in TRAFFIC_LABELS:
             assert label in traffic, (label, traffic)
         lat = shown(app, "#latency")
-        assert "TTFT" in lat and "TPOT" in lat
+        assert "TTFT" in lat and "TPOT" in lat and "goodput" in lat
         for sel in ("#roles", "#gpus"):
             table = app.query_one(sel)
             if not table.display:
@@ -191,7 +192,8 @@ def test_help_lists_every_key_binding_and_explains_every_panel_number():
         shown_key = {"question_mark": "?"}.get(b.key, b.key)
         assert shown_key in keys, b.key
     numbers = " ".join(k for k, _ in glossary.NUMBERS)
-    for label in ("TTFT", "TPOT", "SLO", "req/s", "tok/s", "errors/s", "migr/s", "prefill saved", "engine prefix",
+    for label in ("TTFT", "TPOT", "SLO", "goodput", "req/s", "tok/s", "errors/s", "refused/s", "queued", "migr/s",
+                  "prefill saved", "engine prefix",
                   "LMCache conn.", "KV server", "L1 used", "decisions", "run/wait", "legs F P D", "legs/s", "rst",
                   "breaker", "status", "GPU rows"):
         assert label in numbers, label
@@ -222,3 +224,39 @@ async def test_summary_panels_have_tooltips_that_explain_their_numbers():
         assert "prefill saved: share of the clients' prompt tokens" in str(app.query_one("#kv").tooltip)
         assert "TPOT p50/p95: time between output tokens" in str(app.query_one("#latency").tooltip)
         assert "errors/s: client requests that failed" in str(app.query_one("#traffic").tooltip)
+
+
+README_SIZES = [(80, 24), (120, 40), (160, 48)]
+
+
+@pytest.mark.parametrize("size", README_SIZES, ids=[f"{w}x{h}" for w, h in README_SIZES])
+async def test_every_cell_is_whole_as_soon_as_the_rows_land(size):
+    """Instance (roles) and GPU/role (GPUs) have fixed widths from the plan's names, the other columns are fitted
+    when the rows are set: rows drawn before the table's next idle (a busy screen, a screenshot) show no column
+    as wide as its label ('prefill-' for 'prefill-0', 'acti' for 'active')."""
+    app = PdctlApp(Scripted(full(8)), refresh=3600)
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot)
+        checks = (("#roles", ("inst",)), ("#gpus", ("gpu", "role")))
+        for sel, _ in checks:
+            table = app.query_one(sel)
+            table.clear(columns=True)
+            table._pdctl_cols = None
+        app.render_snapshot(app.snapshot)
+        for sel, keys in checks:                                   # now: no pause, so no idle of the table yet
+            table = app.query_one(sel)
+            fixed = {str(k.value) for k, c in table.columns.items() if not c.auto_width}
+            assert fixed == set(keys), (sel, fixed)
+            shown_lines = [table.render_line(y).text for y in range(table.size.height)]
+            n = 0
+            for y, row in enumerate(table.ordered_rows[:table.size.height - 1], start=1):     # under the header
+                x = 0
+                for col, value in zip(table.ordered_columns, table.get_row(row.key)):
+                    end = x + col.get_render_width(table)
+                    if end > table.size.width:
+                        break                                      # what the screen's width leaves out
+                    if isinstance(value, (str, Text)):             # bars and sparklines have no text to match
+                        assert str(value) in shown_lines[y][x:end], (sel, col.key.value, str(value), shown_lines)
+                        n += 1
+                    x = end
+            assert n, (sel, shown_lines)

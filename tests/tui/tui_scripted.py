@@ -1,9 +1,9 @@
 """Deterministic Snapshots for the TUI tests (built directly: the TUI only renders Snapshots)."""
 from __future__ import annotations
 
-from appliance.collector.snapshot import (DecisionMix, DecisionReason, GpuSample, KVLayers, KVServerStatus,
-                                          LegCounts, ProxyStatus, Snapshot, Traffic, UnitState, WorkerStatus,
-                                          na_unit)
+from appliance.collector.snapshot import (Admission, DecisionMix, DecisionReason, GpuSample, KVLayers,
+                                          KVServerStatus, LegCounts, ProxyStatus, Refusal, Snapshot, Traffic,
+                                          UnitState, WorkerStatus, na_unit)
 from appliance.decide import AGGREGATE, R_FEW_UNCACHED, R_LONG_UNCACHED, R_PREFILL_BUSY, SPLIT
 from appliance.inventory import NA
 
@@ -13,6 +13,11 @@ MIX = DecisionMix(decided=120.0, aggregated=0.82, split=0.18, reasons=(
     DecisionReason(AGGREGATE, R_FEW_UNCACHED, 96.0, 0.80), DecisionReason(AGGREGATE, R_PREFILL_BUSY, 2.4, 0.02),
     DecisionReason(SPLIT, R_LONG_UNCACHED, 21.6, 0.18)))
 OLD_PROXY = "proxy exposes no pdctl_proxy_decisions_total (older than the per-request decision)"
+# past the ceiling: some refused (most for their deadline), a few waiting, the goodput beside them
+ADMISSION = Admission(mode="slo", admitted_per_s=3.7, queued_per_s=0.9, refused_per_s=0.5,
+                      refusals=(Refusal("deadline", 0.4), Refusal("expired", 0.1)), queue_depth=3.0,
+                      queue_wait_p95_s=0.42, goodput=3.6)
+OLD_ADMISSION = "proxy exposes no pdctl_proxy_admission_total (older than admission)"
 
 
 def unit(name: str, active: str = "active", sub: str = "running", restarts: int = 0,
@@ -53,7 +58,7 @@ def full(n_gpus: int = 4, **over) -> Snapshot:
                         req_per_s=4.2, inflight=7.0, ttft_p50_s=0.31, ttft_p95_s=0.74,
                         pd_skipped=(("short_prompt", 3.0), ("prefix_cached", 5.0)), retries_per_s=0.0,
                         breakers=tuple((w.instance, "closed") for w in workers), uptime_s=3725.0, decisions=MIX,
-                        state=unit("pd-proxy.service"))
+                        state=unit("pd-proxy.service"), admission=ADMISSION)
     hist = tuple(0.4 + 0.3 * ((i * 7) % 11) / 10 + (1.6 if i in (40, 41, 42) else 0.0) for i in range(300))
     p50 = tuple(0.6 * v for v in hist)
     tpot = tuple(0.020 + 0.01 * ((i * 5) % 7) / 6 + (0.07 if i in (200, 201) else 0.0) for i in range(300))
@@ -62,7 +67,9 @@ def full(n_gpus: int = 4, **over) -> Snapshot:
                "req_per_s": wave, "prompt_tps": tuple(5000 * v for v in wave),
                "gen_tps": tuple(300 * v for v in wave), "errors_per_s": (0.0,) * 300,
                "migrations_per_s": (0.0,) * 290 + (0.2,) * 10, "prefill_saved": (0.64,) * 300,
-               "kv_hit": (0.8,) * 300}
+               "kv_hit": (0.8,) * 300, "goodput": tuple(min(v, 3.6) for v in wave),
+               "refused_per_s": tuple(max(0.0, v - 3.6) for v in wave),
+               "queue_depth": tuple(float((i * 5) % 4) for i in range(300))}
     for g in gpus:
         history[f"gpu{g.index}:util"] = tuple(20.0 + (g.index * 11 + i * 7) % 70 for i in range(300))
         history[f"gpu{g.index}:mem"] = tuple(0.4 + 0.003 * (i % 100) for i in range(300))
@@ -104,7 +111,9 @@ def degraded() -> Snapshot:
                                                          "decode-1: breaker open"),
                 gpu_source=NA("NVML missing: NVIDIA driver not installed"), gpus=(), workers=tuple(workers),
                 gpu_model=NA("NVML missing: NVIDIA driver not installed"), gpu_count=4,
-                proxy=replace(s.proxy, decisions=DecisionMix.na(OLD_PROXY)),
+                proxy=replace(s.proxy, decisions=DecisionMix.na(OLD_PROXY),
+                              admission=Admission.na(OLD_ADMISSION, NA("proxy status has no admission (older "
+                                                                       "than admission)"))),
                 kv=kv, kv_layers=KVLayers(engine_local=0.3, connector=0.66, kv_server=kv_down,
                                           prefill_saved=NA(OLD_PROXY)),
                 traffic=replace(s.traffic, errors_per_s=0.35, migrations_per_s=NA("proxy does not expose migrations")),
@@ -133,7 +142,9 @@ def loading() -> Snapshot:
                 proxy=replace(s.proxy, ready="not ready (HTTP 503: waiting for workers)", req_per_s=0.0,
                               ttft_p50_s=idle, ttft_p95_s=idle, uptime_s=12.0,
                               decisions=DecisionMix(0.0, NA("no decisions in the window"),
-                                                    NA("no decisions in the window"), ())),
+                                                    NA("no decisions in the window"), ()),
+                              admission=Admission("slo", 0.0, 0.0, 0.0, (), 0.0,
+                                                  NA("nobody waited in the queue in the window"), 0.0)),
                 kv_layers=KVLayers(engine_local=NA("starting"), connector=NA("starting"), kv_server=NA("no lookups"),
                                    prefill_saved=NA("no prompt tokens in the window")),
                 traffic=Traffic(0.0, 0.0, 0.0, NA("starting"), NA("starting"), 0.0, 0.0),

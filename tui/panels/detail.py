@@ -8,8 +8,8 @@ from rich.text import Text
 
 from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
-from appliance.status import (decisions_text, duration, gib, health_short, legs_text, num, pct, secs,
-                              skipped_text, text, unit_text)
+from appliance.status import (decisions_text, duration, gib, health_short, legs_text, num, pct, per_s,
+                              refusals_text, secs, skipped_text, text, unit_text)
 
 from ..widgets.chart import spark
 
@@ -36,6 +36,18 @@ def _table(rows: list) -> Table:
     for k, v in rows:
         t.add_row(k, v if isinstance(v, Text) else Text(str(v)))
     return t
+
+
+def _admission_rows(a: Any) -> list:
+    """The proxy's admission: mode, goodput beside the refusals and their reasons, the queue."""
+    why = refusals_text(a)
+    return [("admission", _v(a.mode)),
+            ("goodput", _v(a.goodput if is_na(a.goodput) else f"{num(a.goodput)} req/s within both SLOs")),
+            ("refused/s", _v(a.refused_per_s if is_na(a.refused_per_s) else
+                             per_s(a.refused_per_s) + (f" ({why})" if why not in ("NA", "none") else ""))),
+            ("admitted / queued", Text(f"{per_s(a.admitted_per_s)} / {per_s(a.queued_per_s)}")),
+            ("queue now", _v(a.queue_depth if is_na(a.queue_depth) else num(a.queue_depth, "{:.0f}"))),
+            ("queue wait p95", _v(a.queue_wait_p95_s if is_na(a.queue_wait_p95_s) else secs(a.queue_wait_p95_s)))]
 
 
 def title(snap: Snapshot, unit: str) -> str:
@@ -91,5 +103,5 @@ def body(snap: Snapshot, unit: str, width: int = 80) -> Table:
                        ("req/s", _v(p.req_per_s)), ("in flight", _v(p.inflight)),
                        ("TTFT p50 / p95", Text(f"{secs(p.ttft_p50_s)} / {secs(p.ttft_p95_s)}")),
                        ("decisions", Text(decisions_text(p.decisions))), ("P leg skipped", Text(skipped_text(p.pd_skipped))),
-                       ("retries/s", _v(p.retries_per_s)), ("breakers", _v(br))])
+                       ("retries/s", _v(p.retries_per_s)), ("breakers", _v(br)), *_admission_rows(p.admission)])
     return _table([("unit", Text(f"{unit}: not in this snapshot", style="dim")), ("", Text(text("")))])

@@ -30,10 +30,16 @@ NUMBERS = (
     ("TPOT p50/p95", "time between output tokens over every token the engines streamed in the window "
                      "(vLLM's inter-token latency histogram; a P leg emits one token and adds nothing)"),
     ("SLO", "the objective from pdctl.toml ([workload] ttft_slo_s, tpot_slo_ms): the dotted line"),
+    ("goodput", "streamed answers per second that met both SLOs (TTFT from arrival, the answer's own TPOT), "
+                "always beside the refusals and the queue: a goodput that hides its refusals is inflated; wait "
+                "p95: time spent in the admission queue"),
     ("req/s", "client requests through the proxy per second (the proxy's own canary left out)"),
     ("in / out tok/s", "prompt tokens the engines took in / tokens they generated, per second, all workers"),
     ("errors/s", "client requests that failed on the box's side (5xx, unavailable); the client's own 4xx "
-                 "mistakes are not counted"),
+                 "mistakes and admission's refusals (refused/s) are not counted"),
+    ("refused/s", "requests the proxy's admission refused per second (503 + Retry-After, before any engine saw "
+                  "them; a client that left the queue included): their reasons are in `pdctl status`"),
+    ("queued", "requests waiting in the proxy's admission queue now ([admission] mode slo or queue)"),
     ("migr/s", "streams moved to another worker mid-answer (a decode leg that broke after its first byte)"),
     ("prefill saved", "share of the clients' prompt tokens that no engine computed: taken from a cache; a "
                       "split request's D leg loading what its P leg just computed is a transfer, left out "

@@ -1,4 +1,5 @@
-"""The summary panels: latency (TTFT, TPOT), throughput, KV (prefill saved first), the decision mix.
+"""The summary panels: latency (TTFT, TPOT, the goodput line), throughput (refusals and the admission queue
+beside it), KV (prefill saved first), the decision mix.
 
 Each function turns a Snapshot into something a widget renders; nothing here computes a figure.
 """
@@ -11,7 +12,7 @@ from rich.text import Text
 
 from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
-from appliance.status import decisions_text, gib, num, pct, share
+from appliance.status import decisions_text, gib, num, pct, secs, share
 
 from ..widgets.latency import Series
 from ..widgets.rows import Row, Rows
@@ -39,8 +40,37 @@ def throughput(snap: Snapshot) -> Rows:
             Row("errors/s", _rate(err, "{:.2f}"), h.get("errors_per_s", ()), style=err_style,
                 spark_style="red")]
     mig = t.migrations_per_s
+    adm = snap.proxy.admission
+    refused = adm.refused_per_s
+    rows.append(Row("refused/s", _rate(refused, "{:.2f}"), h.get("refused_per_s", ()) if not is_na(refused) else (),
+                    style="bold yellow" if not is_na(refused) and refused > 0 else "bold", spark_style="yellow"))
+    depth = adm.queue_depth
+    rows.append(Row("queued", _rate(depth, "{:.0f}"), h.get("queue_depth", ()) if not is_na(depth) else (),
+                    style="bold yellow" if not is_na(depth) and depth > 0 else "bold", spark_style="yellow"))
     rows.append(Row("migr/s", _rate(mig, "{:.2f}"), h.get("migrations_per_s", ()) if not is_na(mig) else ()))
     return Rows(tuple(rows))
+
+
+def goodput_line(snap: Snapshot) -> "Fit":
+    """The latency panel's last line: the goodput (streamed answers within both SLOs per second), always beside
+    the refusals (a goodput that hides its refusals is inflated), then the queue; shorter forms for narrow
+    panels, the goodput and the refusals first in every one."""
+    adm = snap.proxy.admission
+    good, refused, depth = adm.goodput, adm.refused_per_s, adm.queue_depth
+    if is_na(good) and is_na(refused):
+        return Fit((form(("goodput ", "bold"), ("NA (press ? for why)", "dim")),
+                    form(("goodput ", "bold"), ("NA", "dim"))))
+    g = (num(good), "dim" if is_na(good) else "bold green")
+    r = (num(refused, "{:.2f}"), "dim" if is_na(refused) else ("bold yellow" if refused > 0 else "bold"))
+    q = (num(depth, "{:.0f}"), "dim" if is_na(depth) else ("bold yellow" if depth > 0 else "bold"))
+    wait = adm.queue_wait_p95_s
+    w = [] if is_na(wait) else [(" · wait p95 ", "dim"), (secs(wait), "bold")]
+    return Fit((form(("goodput ", "bold"), g, (" req/s in SLO", "dim"), (" · refused ", "dim"), r, ("/s", "dim"),
+                     (" · queued ", "dim"), q, *w),
+                form(("goodput ", "bold"), g, ("/s", "dim"), (" · refused ", "dim"), r, ("/s", "dim"),
+                     (" · queued ", "dim"), q),
+                form(("goodput ", "bold"), g, ("/s", "dim"), (" · refused ", "dim"), r, ("/s", "dim")),
+                form(("good ", "bold"), g, (" refused ", "dim"), r)))
 
 
 def kv(snap: Snapshot) -> Rows:

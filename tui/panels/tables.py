@@ -38,15 +38,31 @@ def columns_for(table_cols: tuple, width: int, systemd: bool = True) -> tuple:
     return tuple((k, label) for k, label, cls in table_cols if cls <= wc and (systemd or k not in UNIT_KEYS))
 
 
+def cell_width(v: Any) -> int:
+    return v.cell_len if isinstance(v, Text) else Text(str(v)).cell_len
+
+
+def id_width(rows: list[tuple[str, dict]], key: str, label: str, cap: int = 32) -> int:
+    """A fixed width for an identifying column (instance, GPU, box): its label or its longest name, at most
+    ``cap``. The names come from the plan, the same every round; the width never waits for Textual to measure
+    the cells (an auto-fitted column is as wide as its label until the table's next idle, so a busy screen or a
+    screenshot in between showed 'liv' for 'live')."""
+    return min(cap, max([len(label)] + [cell_width(c.get(key, "")) for _, c in rows]))
+
+
 def _sync(table: DataTable, rows: list[tuple[str, dict]], columns: tuple) -> None:
     """Set the columns (again when they changed), then diff rows by key: rebuild only when the row set
-    changed, otherwise update just the cells whose content changed (an unchanged cell costs no redraw)."""
-    keys = tuple(k for k, _ in columns)
-    if getattr(table, "_pdctl_cols", None) != keys:
+    changed, otherwise update just the cells whose content changed (an unchanged cell costs no redraw).
+
+    A column is ``(key, label)`` (fitted to its cells) or ``(key, label, width)`` (fixed: never narrower, whatever
+    the cells hold at that instant; a longer value is cut, with an ellipsis where it is Text(overflow="ellipsis"))."""
+    keys = tuple(k for k, *_ in columns)
+    shape = tuple((k, *w) for k, _, *w in columns)
+    if getattr(table, "_pdctl_cols", None) != shape:
         table.clear(columns=True)
-        for key, label in columns:
-            table.add_column(label, key=key)
-        table._pdctl_cols = keys
+        for key, label, *width in columns:
+            table.add_column(label, key=key, width=width[0] if width else None)
+        table._pdctl_cols = shape
         table._pdctl_cells = {}
     last: dict = getattr(table, "_pdctl_cells", {})
     existing = [str(k.value) for k in table.rows]
@@ -56,6 +72,10 @@ def _sync(table: DataTable, rows: list[tuple[str, dict]], columns: tuple) -> Non
         table.clear()
         for key, cells in rows:
             table.add_row(*(cells.get(c, "") for c in keys), key=key)
+        for key, label, *width in columns:     # fitted now, not at the table's next idle (until then a column
+            if not width:                      # is as wide as its label: 'acti' for 'active', '13' for '13%')
+                col = table.columns[key]
+                col.content_width = max([col.content_width] + [cell_width(c.get(key, "")) for _, c in rows])
         if 0 <= cursor < len(rows):
             table.move_cursor(row=cursor)
     else:
@@ -65,8 +85,10 @@ def _sync(table: DataTable, rows: list[tuple[str, dict]], columns: tuple) -> Non
             for c in keys:
                 new = cells.get(c, "")
                 if before.get(c) != new:       # widen the column only when the value would not fit (13% after 0%)
-                    n = new.cell_len if isinstance(new, Text) else len(str(new))
-                    table.update_cell(key, c, new, update_width=n > cols[c].content_width)
+                    fit = cols[c].auto_width and cell_width(new) > cols[c].content_width
+                    if fit:
+                        cols[c].content_width = cell_width(new)      # now; Textual re-measures at its idle
+                    table.update_cell(key, c, new, update_width=fit)
     table._pdctl_cells = dict(rows)
 
 
@@ -143,17 +165,24 @@ def gpu_rows(snap: Snapshot, width: int = 80) -> list[tuple[str, dict]]:
     return rows
 
 
+def with_id_widths(rows: list[tuple[str, dict]], columns: tuple, ids: tuple) -> tuple:
+    """``columns`` with a fixed width (``id_width``) for the identifying ones (``ids``)."""
+    return tuple((k, label, id_width(rows, k, label)) if k in ids and not w else (k, label, *w)
+                 for k, label, *w in columns)
+
+
 def render_gpus(table: DataTable, snap: Snapshot) -> None:
     w = table.app.size.width
-    _sync(table, gpu_rows(snap, w), columns_for(GPU_COLUMNS, w))
+    rows = gpu_rows(snap, w)
+    _sync(table, rows, with_id_widths(rows, columns_for(GPU_COLUMNS, w), ("gpu", "role")))
 
 
 def _fit_last(rows: list, columns: tuple, width: int) -> tuple:
     """The last column (free text: STATUS=, readiness) gets what the others leave of ``width``, cut with an
     ellipsis (the detail view and the header have the whole text); it goes when less than 8 cells remain."""
-    *fixed, (last, _) = columns
-    used = sum(max([len(label)] + [Text(str(c[k])).cell_len if not isinstance(c[k], Text) else c[k].cell_len
-                                   for _, c in rows]) + 2 for k, label in fixed)
+    *fixed, (last, _, *_) = columns
+    used = sum((w[0] if w else max([len(label)] + [cell_width(c[k]) for _, c in rows])) + 2
+               for k, label, *w in fixed)
     room = width - 4 - used - 2             # table border, scrollbar, the last column's padding
     if room < 8:
         return tuple(fixed)
@@ -169,5 +198,5 @@ def _fit_last(rows: list, columns: tuple, width: int) -> tuple:
 def render_roles(table: DataTable, snap: Snapshot) -> None:
     w = table.app.size.width
     rows = role_rows(snap)
-    cols = columns_for(ROLE_COLUMNS, w, systemd=not snap.units_note)
+    cols = with_id_widths(rows, columns_for(ROLE_COLUMNS, w, systemd=not snap.units_note), ("inst",))
     _sync(table, rows, _fit_last(rows, cols, w) if cols[-1][0] == "status" else cols)

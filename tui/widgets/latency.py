@@ -1,4 +1,5 @@
-"""The latency panel: TTFT and TPOT, each a legend line (p50, p95, SLO) over its p50/p95 chart.
+"""The latency panel: TTFT and TPOT, each a legend line (p50, p95, SLO) over its p50/p95 chart, and a footer
+line under both (the goodput beside the refusals).
 
 The panel splits its height between the two charts and draws the time axis under each when there is
 room; otherwise the legend says the span (``· 2m``). Rendering only reads what ``set_data`` was given.
@@ -59,10 +60,12 @@ class LatencyPanel(Widget):
         super().__init__(id=id, classes=classes)
         self.series: tuple = ()
         self.step_s = 1.0
+        self.footer: object = None
 
-    def set_data(self, series: tuple, step_s: float) -> None:
-        if (series, step_s) != (self.series, self.step_s):
-            self.series, self.step_s = series, step_s
+    def set_data(self, series: tuple, step_s: float, footer: object = None) -> None:
+        """``footer``: one line (any Rich renderable that fits itself to the width) under the charts."""
+        if (series, step_s, footer) != (self.series, self.step_s, self.footer):
+            self.series, self.step_s, self.footer = series, step_s, footer
             self.refresh()
 
     def render(self) -> Group:
@@ -71,8 +74,10 @@ class LatencyPanel(Widget):
             return Group(Text("waiting for the first sample…", style="dim"))
         lines: list = []
         n = len(self.series)
+        foot = self.footer is not None and h > 2 * n        # every chart keeps its legend and a row
+        h_charts = h - 1 if foot else h
         for i, s in enumerate(self.series):
-            part = h // n + (1 if i < h % n else 0)
+            part = h_charts // n + (1 if i < h_charts % n else 0)
             rows = part - 1
             axis = rows >= 4
             span = "" if axis else span_text(plot_span(len(s.h95), w, self.step_s))
@@ -80,4 +85,7 @@ class LatencyPanel(Widget):
             if rows > 0:
                 lines += render_chart(s.h50, s.h95, w, rows, None if is_na(s.slo) else float(s.slo), short_secs,
                                       self.step_s, axis=axis)
-        return Group(*lines[:h])
+        lines = lines[:h_charts]
+        if foot:
+            lines.append(self.footer)
+        return Group(*lines)
