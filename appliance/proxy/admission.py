@@ -30,9 +30,8 @@ class Ticket:
     def release(self, backend) -> None:
         got = self.held.pop(backend, None)
         if got is not None:
-            r = self.gate.reserved
-            s, t = r.get(backend, (0, 0))
-            r[backend] = (s - got[0], t - got[1])
+            backend.reserved_streams -= got[0]
+            backend.reserved_tokens -= got[1]
 
     def release_all(self) -> None:
         for b in list(self.held):
@@ -65,7 +64,6 @@ class Gate:
         self.queue = A.WaitQueue()
         self.drain = A.DrainMeter()
         self.rates: dict = {}          # backend label -> WorkerRates
-        self.reserved: dict = {}       # backend -> (streams, tokens) started but not yet counted by a leg
         self._poke_pending = False
 
     # ----- configuration --------------------------------------------------------------------------
@@ -86,8 +84,8 @@ class Gate:
         return r
 
     def view(self, b, max_seqs: int) -> A.Worker:
-        rs, rt = self.reserved.get(b, (0, 0))
-        return A.Worker(b.label, b.inflight + rs, b.prefill_backlog + rt, self.worker_rates(b).rates(), max_seqs)
+        return A.Worker(b.label, b.inflight + b.reserved_streams, b.prefill_backlog + b.reserved_tokens,
+                        self.worker_rates(b).rates(), max_seqs)
 
     # ----- the step ---------------------------------------------------------------------------------
     def _judge(self, now: float, ask: A.Ask, rt, ahead: int) -> A.Verdict:
@@ -100,13 +98,13 @@ class Gate:
     def _ticket(self, now: float, rt) -> Ticket:
         t = Ticket(self, now)
         first = rt.prefill if rt.prefill is not None else rt.decode
-        t.ahead = first.prefill_backlog + self.reserved.get(first, (0, 0))[1] + rt.uncached
+        t.ahead = first.prefill_backlog + first.reserved_tokens + rt.uncached
         parts = {first: (0, rt.uncached)}
         s, tok = parts.get(rt.decode, (0, 0))
         parts[rt.decode] = (s + 1, tok)
         for b, (s, tok) in parts.items():
-            rs, rtok = self.reserved.get(b, (0, 0))
-            self.reserved[b] = (rs + s, rtok + tok)
+            b.reserved_streams += s          # decide() sees them too (routing.AdaptivePolicy.loads)
+            b.reserved_tokens += tok
         t.held = parts
         return t
 

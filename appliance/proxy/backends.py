@@ -34,6 +34,8 @@ class Backend:
     probe_pool: Pool | None = None     # health probes and scrapes, never queued behind requests
     pending: set = field(default_factory=set)    # connections still waiting for their first byte
     prefill_backlog: int = 0          # uncached prompt tokens sent here whose first byte has not come back
+    reserved_streams: int = 0         # admitted requests bound here whose legs have not started yet (admission.py)
+    reserved_tokens: int = 0          # ... and their uncached prompt tokens
     prompt_chars_sent: int = 0        # prompt characters of every leg sent here (tokens.py calibration)
     chars_seen: int = 0               # prompt_chars_sent at the last scrape
     tokens_seen: float | None = None  # vllm:prompt_tokens_total at the last scrape

@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from .. import admit as A
 from .. import constants as C
 from ..config_schema import default as _d
 from .routing import POLICIES
@@ -64,6 +65,14 @@ def register(subparsers) -> None:
     p.add_argument("--on-prefill-failure", choices=("fail", "decode"))
     p.add_argument("--public-status", action="store_true",
                    help="also serve /pdctl/status on the public port (read-only, API key required)")
+    p.add_argument("--admission", choices=A.MODES, help="admission by the SLO: slo (default), queue or off "
+                                                        "([admission] mode)")
+    p.add_argument("--ttft-slo-s", type=float, metavar="S", help="the TTFT SLO admission admits by "
+                                                                 "([workload] ttft_slo_s)")
+    p.add_argument("--tpot-slo-ms", type=float, metavar="MS", help="the TPOT SLO admission admits by "
+                                                                   "([workload] tpot_slo_ms)")
+    p.add_argument("--max-num-seqs", type=int, metavar="N", help="the engines' --max-num-seqs (streams per "
+                                                                 "worker at most)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=main)
 
@@ -118,6 +127,21 @@ def config_from_args(args, plan=None) -> ProxyConfig:
         raise SystemExit("pdctl proxy: the public status endpoint needs an API key: pass --api-key-file "
                          "(or set [proxy] api_key_file), or turn public_status off")
     kw["backend_api_key"] = _read_key(args.backend_api_key_file)
+    adm = {}
+    if getattr(args, "admission", None):
+        adm["mode"] = args.admission
+    for flag, key, scale in (("ttft_slo_s", "ttft_slo_s", 1.0), ("tpot_slo_ms", "tpot_slo_s", 0.001)):
+        v = getattr(args, flag, None)
+        if v is not None:
+            if not v > 0:
+                raise SystemExit(f"pdctl proxy: --{flag.replace('_', '-')} must be > 0, got {v}")
+            adm[key] = v * scale
+    if adm:
+        kw["admission"] = replace(cfg.admission, **adm)
+    if getattr(args, "max_num_seqs", None) is not None:
+        if args.max_num_seqs < 1:
+            raise SystemExit(f"pdctl proxy: --max-num-seqs must be >= 1, got {args.max_num_seqs}")
+        kw["max_num_seqs"] = args.max_num_seqs
     return replace(cfg, **kw)
 
 

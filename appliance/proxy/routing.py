@@ -179,7 +179,8 @@ class AdaptivePolicy(PdctlPolicy):
         out = []
         for b in self.workers:
             fresh = b.scraped_at and now - b.scraped_at < 5.0
-            out.append(D.WorkerLoad(b.label, b.spec.role, b.breaker.allows(now), b.inflight, b.prefill_backlog,
+            out.append(D.WorkerLoad(b.label, b.spec.role, b.breaker.allows(now), b.inflight + b.reserved_streams,
+                                    b.prefill_backlog + b.reserved_tokens,
                                     b.running if fresh else 0.0, b.waiting if fresh else 0.0,
                                     b.kv_usage if fresh else 0.0))
         return out

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from .conftest import L1_SIZE_GB, START_TIMEOUT_S
+from .conftest import L1_SIZE_GB, START_TIMEOUT_S, _all_warm as all_warm
+from tests.waits import wait_until
 from .stack import REPO, TelemetrySink, free_ports, held_sockets, port_of, start_on_probed_ports
 
 
@@ -78,6 +79,12 @@ class SoftStack:
         try:
             self.stack.wait_http([proc], "/ready", 60)
             self.proxy_url, self.internal_url = proc.url, f"http://127.0.0.1:{internal}"
+            # the proxy warms each worker's LMCache heartbeat once it is admitted (proxy/warmup.py): a store and a
+            # retrieve of its own, which the tests' chunk and hit counts must not see (a CI run counted 13 writes
+            # where its one request makes 3)
+            status = self.internal_url + "/pdctl/status"
+            assert wait_until(lambda: all_warm(status), 120, 0.5), f"the proxy's KV warm-up did not finish: {status}"
+            time.sleep(1.0)      # the counters of that warm-up are scraped after it ends
             self.stack.sink.forward_to = self.internal_url
             yield proc
         finally:

@@ -206,3 +206,121 @@ def test_aggregated_on_one_both_worker_reuses_what_the_other_stored(soft, http, 
                                            "lmcache_hit_tokens": d2["lmc_hits"], "tries": len(tries),
                                            "e2e_s": round(took, 3),
                                            "store_event_after_answer_s": ev_delays}
+
+
+# ---- admission on real engines (issue 28): the same two both workers, a burst far above what they hold ------
+
+BURST = 24                  # concurrent streamed requests
+BURST_TOKENS = 32
+ADMIT_SEQS = 2              # the proxy lets each worker run at most this many streams (--max-num-seqs)
+TTFT_SLO_S = 2.0            # scaled to CPU engines: a tiny model streams ~30 tokens/s per request here
+
+
+def engine_requests(http, soft: SoftStack) -> float:
+    """Requests the engines themselves finished (their own vllm:request_success_total), both workers."""
+    return sum(scrape(http, u, "vllm:request_success_total") for u in soft.names)
+
+
+async def _stream(client, url: str, body: dict) -> tuple:
+    t0 = time.monotonic()
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        first = None
+        raw = b""
+        async for chunk in r.aiter_bytes():
+            if first is None:
+                first = time.monotonic() - t0
+            raw += chunk
+        return r.status_code, dict(r.headers), raw, first, time.monotonic() - t0
+
+
+def test_a_burst_past_capacity_is_refused_before_any_engine_sees_it(soft, http, real_report):
+    import asyncio
+    import json as _json
+    body = lambda i: {"model": soft.model, "prompt": f"burst {i} " + long_prompt(seed=2800 + i, words=40),  # noqa
+                      "max_tokens": BURST_TOKENS, "ignore_eos": True, "stream": True}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120.0) as c:
+            return await asyncio.gather(*(_stream(c, soft.proxy_url, body(i)) for i in range(BURST)))
+
+    with soft.proxy(admission="slo", ttft_slo_s=TTFT_SLO_S, tpot_slo_ms=1000, max_num_seqs=ADMIT_SEQS):
+        can0, eng0 = _canaries(http, soft.internal_url), engine_requests(http, soft)
+        got = asyncio.run(burst())
+        time.sleep(1.0)                           # the engines' counters of the last answers are scraped
+        can = _canaries(http, soft.internal_url) - can0
+        eng = engine_requests(http, soft) - eng0
+        st = http.get(soft.internal_url + "/pdctl/status").json()["admission"]
+    ok = [g for g in got if g[0] == 200]
+    refused = [g for g in got if g[0] == 503]
+    assert len(ok) + len(refused) == BURST, [g[0] for g in got]
+    assert ok and refused, "a burst 6x past what the proxy lets the two workers run: some start, some refused"
+    for _, headers, raw, _, _ in refused:
+        err = _json.loads(raw)["error"]
+        assert err["code"] == "server_overloaded" and int(headers["retry-after"]) >= 1, (headers, err)
+    for _, _, raw, _, _ in ok:
+        assert raw.rstrip().endswith(b"[DONE]")
+    # nothing both refused and executed: the engines finished the admitted requests and the canaries' legs
+    # (one P and one D each; one may be half done at either reading), nothing else
+    assert abs(eng - 2 * can - len(ok)) <= 2, (eng, can, len(ok), len(refused))
+    ttft = sorted(g[3] for g in ok)
+    refusal_s = sorted(g[4] for g in refused)
+    within = sum(1 for t in ttft if t <= TTFT_SLO_S) / len(ttft)
+    real_report["admission_burst"] = {"sent": BURST, "admitted": len(ok), "refused": len(refused),
+                                      "engine_requests": eng, "canaries": can, "verdicts": st["verdicts"],
+                                      "admitted_ttft_p50_s": round(ttft[len(ttft) // 2], 3),
+                                      "admitted_within_ttft_slo": round(within, 3),
+                                      "refusal_latency_p50_s": round(refusal_s[len(refusal_s) // 2], 3),
+                                      "refusal_latency_max_s": round(refusal_s[-1], 3)}
+    # a bound that only catches breakage (timings vary on a shared 2-core box): admitted requests do not wait
+    # for the whole burst ahead of them, and a refusal never waits past the TTFT SLO's order of magnitude
+    assert ttft[len(ttft) // 2] <= 2 * TTFT_SLO_S, real_report["admission_burst"]
+    assert refusal_s[-1] <= 5 * TTFT_SLO_S, real_report["admission_burst"]
+
+
+HOLDS = 4
+
+
+def test_a_client_that_leaves_the_queue_reaches_no_engine(soft, http, real_report):
+    import asyncio
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120.0) as c:
+            long = {"model": soft.model, "prompt": long_prompt(seed=2900, words=30), "max_tokens": 160,
+                    "ignore_eos": True, "stream": True}
+            # four holds for two one-stream workers: two run, two wait; the leaver waits behind them, so it
+            # could start only after two whole answers, whatever the engines' speed
+            busy = [asyncio.create_task(_stream(c, soft.proxy_url, dict(long, prompt=f"hold {i} " + long["prompt"])))
+                    for i in range(HOLDS)]
+            for _ in range(400):
+                st = (await c.get(soft.internal_url + "/pdctl/status")).json()
+                started = sum(v for k, v in st["admission"]["verdicts"].items() if k.startswith("admit:"))
+                if started >= 2 and st["admission"]["queue"] >= HOLDS - 2:
+                    break
+                await asyncio.sleep(0.05)
+            leaver = asyncio.create_task(_stream(c, soft.proxy_url, dict(long, prompt="leaver " + long["prompt"])))
+            for _ in range(400):
+                st = (await c.get(soft.internal_url + "/pdctl/status")).json()
+                if st["admission"]["queue"] >= HOLDS - 1:
+                    break
+                await asyncio.sleep(0.05)
+            queued = st["admission"]["queue"]
+            leaver.cancel()
+            for _ in range(200):
+                st = (await c.get(soft.internal_url + "/pdctl/status")).json()
+                if st["admission"]["verdicts"].get("refuse:client_gone"):
+                    break
+                await asyncio.sleep(0.05)
+            res = await asyncio.gather(*busy)
+            return queued, st["admission"]["verdicts"], res
+
+    with soft.proxy(admission="slo", ttft_slo_s=30, tpot_slo_ms=1000, max_num_seqs=1):
+        can0, eng0 = _canaries(http, soft.internal_url), engine_requests(http, soft)
+        queued, verdicts, res = asyncio.run(run())
+        time.sleep(1.0)
+        can = _canaries(http, soft.internal_url) - can0
+        eng = engine_requests(http, soft) - eng0
+    assert queued == HOLDS - 1 and verdicts.get("refuse:client_gone") == 1, (queued, verdicts)
+    assert [r[0] for r in res] == [200] * HOLDS
+    # the engines finished the held streams and the canaries' legs; the leaver never reached them
+    assert abs(eng - 2 * can - HOLDS) <= 1, (eng, can)
+    real_report["admission_client_gone"] = {"engine_requests": eng, "canaries": can, "verdicts": verdicts}
