@@ -116,6 +116,7 @@ class QueueView:
     ahead: int = 0        # waiting requests with an earlier claim (priority, then deadline)
     length: int = 0       # waiting requests in all
     drain_per_s: float = 0.0   # how fast the queue let requests start lately (0: not known yet)
+    arriving: bool = True      # the request is new (False: it is the queue's head, asked again)
 
 
 @dataclass(frozen=True)
@@ -127,11 +128,15 @@ class Verdict:
 
 
 def retry_after(q: QueueView, wait_room_s: float, p: Policy) -> int:
-    """Seconds until the queue ahead drains to what a new request can wait (whole seconds, 1..max)."""
+    """Seconds until the queue ahead drains to what a new request can wait (whole seconds, 1..max). Never more
+    than the longest anybody waits (every request now waiting has started or left by then), whatever a thin
+    drain estimate says."""
+    turnover = p.target * p.ttft_slo_s if p.mode == "slo" else p.wait_bound_s()
+    cap = min(float(p.retry_after_max_s), turnover)
     if q.drain_per_s <= 0:
-        return max(1, min(p.retry_after_max_s, math.ceil(p.ttft_slo_s)))
+        return max(1, math.ceil(cap))
     need = (q.length + 1) / q.drain_per_s - max(0.0, wait_room_s)
-    return max(1, math.ceil(min(float(p.retry_after_max_s), need)))
+    return max(1, math.ceil(min(cap, need)))
 
 
 def judge(now: float, ask: Ask, prefill: Optional[Worker], decode: Worker, q: QueueView, p: Policy) -> Verdict:
@@ -149,7 +154,7 @@ def judge(now: float, ask: Ask, prefill: Optional[Worker], decode: Worker, q: Qu
             return Verdict(ADMIT, R_ROOM)
         if now >= bound:
             return Verdict(REFUSE, R_EXPIRED, 0.0, retry_after(q, 0.0, p))
-        if waited == 0 and q.length >= p.max_queue:
+        if q.arriving and q.length >= p.max_queue:
             return Verdict(REFUSE, R_QUEUE_FULL, 0.0, retry_after(q, bound - now, p))
         return Verdict(QUEUE, R_STREAMS if q.ahead == 0 else R_BEHIND)
     goal = ask.arrival + p.target * (ask.deadline - ask.arrival)    # start by then, as TTFT counts from arrival
@@ -164,18 +169,18 @@ def judge(now: float, ask: Ask, prefill: Optional[Worker], decode: Worker, q: Qu
                    and decode.streams < decode.max_seqs)
         if ttft_ok and tpot_ok:
             return Verdict(ADMIT, R_ROOM, ttft)
-        if now + own > goal or (tpot_ok and not ttft_ok and waited > 0):
+        if now + own > goal or (tpot_ok and not ttft_ok and not q.arriving):
             # not even an idle worker could start it in time; or only the prefill backlog keeps it out, and a
             # backlog drains no faster than its deadline comes: waiting would only hold the queue behind it
-            return Verdict(REFUSE, R_EXPIRED if waited > 0 else R_DEADLINE, ttft,
+            return Verdict(REFUSE, R_DEADLINE if q.arriving else R_EXPIRED, ttft,
                            retry_after(q, goal - now - own, p))
         reason = R_TTFT if not ttft_ok else R_TPOT
     else:
         reason = R_BEHIND
     room = goal - now - own                                          # how long it may still wait
-    if q.length >= p.max_queue and waited == 0:
+    if q.length >= p.max_queue and q.arriving:
         return Verdict(REFUSE, R_QUEUE_FULL, ttft, retry_after(q, room, p))
-    if waited == 0 and q.drain_per_s > 0 and (q.ahead + 1) / q.drain_per_s > room:
+    if q.arriving and q.drain_per_s > 0 and (q.ahead + 1) / q.drain_per_s > room:
         return Verdict(REFUSE, R_DEADLINE, ttft, retry_after(q, room, p))
     return Verdict(QUEUE, reason, ttft)
 

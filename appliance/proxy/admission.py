@@ -69,7 +69,9 @@ class Gate:
     # ----- configuration --------------------------------------------------------------------------
     @property
     def active(self) -> bool:
-        return self.policy.mode != "off"
+        """Admission judges the workers ``decide()`` chose: the adaptive policy's (the baselines pick their
+        workers leg by leg, after the fact)."""
+        return self.policy.mode != "off" and self.s.cfg.policy == "adaptive"
 
     def reconfigure(self, policy: A.Policy, prior: A.Prior) -> None:
         """A reload: new settings apply to the next decision; waiting requests keep their place (mode off lets them
@@ -88,11 +90,11 @@ class Gate:
                         self.worker_rates(b).rates(), max_seqs)
 
     # ----- the step ---------------------------------------------------------------------------------
-    def _judge(self, now: float, ask: A.Ask, rt, ahead: int) -> A.Verdict:
+    def _judge(self, now: float, ask: A.Ask, rt, ahead: int, arriving: bool = True) -> A.Verdict:
         cap = self.s.cfg.max_num_seqs or (1 << 30)
         dec = self.view(rt.decode, cap)
         pre = self.view(rt.prefill, cap) if rt.prefill is not None else None
-        q = A.QueueView(ahead, len(self.queue), self.drain.rate(now))
+        q = A.QueueView(ahead, len(self.queue), self.drain.rate(now), arriving)
         return A.judge(now, replace(ask, uncached=rt.uncached), pre, dec, q, self.policy)
 
     def _ticket(self, now: float, rt) -> Ticket:
@@ -197,7 +199,7 @@ class Gate:
                 self.queue.pop()
                 self._finish(w, A.Verdict(A.ADMIT, A.R_IDLE), rt, None)
                 continue
-            v = self._judge(now, w.ask, rt, 0)
+            v = self._judge(now, w.ask, rt, 0, arriving=False)
             if v.action == A.QUEUE:
                 break
             self.queue.pop()
@@ -220,7 +222,11 @@ class Gate:
 
     def status(self) -> dict:
         now = time.monotonic()
-        return {"mode": self.policy.mode, "queue": len(self.queue), "drain_per_s": round(self.drain.rate(now), 3),
+        return {"mode": self.policy.mode, "active": self.active,
+                **({} if self.active or self.policy.mode == "off" else
+                   {"inactive": f"policy {self.s.cfg.policy}: admission judges the workers the adaptive policy "
+                                "chose; set [proxy] policy = \"adaptive\""}),
+                "queue": len(self.queue), "drain_per_s": round(self.drain.rate(now), 3),
                 "ttft_slo_s": self.policy.ttft_slo_s, "tpot_slo_ms": round(self.policy.tpot_slo_s * 1000, 3),
                 "workers": {k: {"ttft_base_s": round(r.rates().ttft_a, 4),
                                 "prefill_tps": round(1.0 / r.rates().ttft_s, 1) if r.rates().ttft_s else None,

@@ -203,7 +203,7 @@ class Relay:
         if t_first - self.job.t0 <= pol.ttft_slo_s and tpot <= pol.tpot_slo_s:
             self.s.metrics.good.inc()
             self.s.counts["good"] += 1
-        if not self.migrations and tokens > 1:
+        if not self.migrations and tokens > 1 and self.job.dialect is None:   # Responses: several events a token
             self.s.gate.observe_stream(backend, (streams0 + backend.inflight + 1) / 2, tpot)
 
     # ----- migration ----------------------------------------------------------------------------------

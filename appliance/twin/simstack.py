@@ -260,7 +260,7 @@ class SimStack:
         while self.queue:
             _, req = self.queue.head()
             d = self._decide(req)
-            v = self._judge(t, req, d, A.QueueView(0, len(self.queue), self.drain.rate(t)))
+            v = self._judge(t, req, d, A.QueueView(0, len(self.queue), self.drain.rate(t), arriving=False))
             if v.action == A.QUEUE:
                 return
             self.queue.pop()

@@ -66,7 +66,7 @@ def test_arrival_behind_a_queue_that_drains_too_slowly_is_refused_at_once_with_r
 
 def test_waiting_request_past_hope_leaves_refused():
     # waited 1.5 s; even an idle worker needs 0.2 s: 1.7 > 1.6 s target
-    v = A.judge(1.5, ask(now=0.0), None, worker(streams=60), A.QueueView(0, 3, 2.0), P)
+    v = A.judge(1.5, ask(now=0.0), None, worker(streams=60), A.QueueView(0, 3, 2.0, arriving=False), P)
     assert (v.action, v.reason) == (A.REFUSE, A.R_EXPIRED)
     assert v.retry_after_s >= 1
 
