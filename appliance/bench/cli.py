@@ -1,7 +1,7 @@
 """``pdctl bench``: a rate sweep against a running stack; ``pdctl bench compare A.json B.json``.
 
-Exit codes: 0 ok (some requests may have failed: they are counted), 1 the target is unreachable or every
-request failed, 2 bad input.
+Exit codes: 0 ok (some requests may have failed or been refused: they are counted), 1 the target is unreachable
+or no request completed, 2 bad input (including ``--overload`` with a plan that predicts no goodput).
 """
 from __future__ import annotations
 
@@ -23,21 +23,66 @@ from . import BenchError
 DEFAULT_URL = C.loopback_url(C.PROXY_PORT)
 
 
-def parse_rates(text: str) -> list[float]:
+DEFAULT_RATES = "1,2,5,10"
+OVERLOAD_MULTIPLES = "0.7,1,1.5,2,4"     # issue 28's sweep: below, at and past the predicted goodput
+
+
+def parse_rates(text: str, flag: str = "--rates") -> list[float]:
     rates = []
     for part in text.split(","):
         part = part.strip()
         try:
             r = float(part)
         except ValueError:
-            raise BenchError(f"--rates {text!r}: {part!r} is not a number; use e.g. 1,2,5,10 (inf = all at once)") \
+            raise BenchError(f"{flag} {text!r}: {part!r} is not a number; use e.g. 1,2,5,10 (inf = all at once)") \
                 from None
         if not r > 0 or math.isnan(r):
-            raise BenchError(f"--rates {text!r}: {part!r} must be > 0 req/s")
+            raise BenchError(f"{flag} {text!r}: {part!r} must be > 0")
         rates.append(r)
     if not rates:
-        raise BenchError("--rates is empty; use e.g. 1,2,5,10")
+        raise BenchError(f"{flag} is empty; use e.g. 1,2,5,10")
     return rates
+
+
+def predicted_goodput(args: argparse.Namespace) -> tuple[float, str]:
+    """The plan's predicted goodput (``plan.json`` "predicted"."goodput_req_s") and where it came from;
+    BenchError (exit 2) when there is no plan or no prediction, saying how to give ``--rates`` instead."""
+    from appliance.config import ConfigError, load_plan, plan_path
+    instead = "or give the rates themselves: --rates R1,R2,... (req/s)"
+    try:
+        plan = load_plan(args.plan)
+    except ConfigError as exc:
+        raise BenchError(f"--rates-x/--overload take rates as multiples of the plan's predicted goodput, and there "
+                         f"is no plan: {exc}; pass --plan PLAN.json, {instead}") from None
+    where = str(args.plan or plan_path())
+    port = urlsplit(args.url).port
+    if args.plan is None and port != plan.proxy.port:
+        raise BenchError(f"--rates-x/--overload: the installed plan ({where}) is of the stack on port "
+                         f"{plan.proxy.port}, not {port}; pass --plan for the stack you measure, {instead}")
+    g = (plan.predicted or {}).get("goodput_req_s")
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0:
+        raise BenchError(f"plan {where} has no predicted goodput (\"predicted\".\"goodput_req_s\" is "
+                         f"{'absent' if g is None else repr(g)}; `pdctl plan` writes it when it simulates the "
+                         f"families on the twin), so --rates-x/--overload have nothing to multiply; {instead}")
+    return float(g), where
+
+
+def sweep_rates(args: argparse.Namespace) -> tuple[list[float], list, dict]:
+    """(rates in req/s, their multiples of the predicted goodput or [], meta about the prediction)."""
+    multiples = OVERLOAD_MULTIPLES if args.overload else args.rates_x
+    if multiples is None:
+        return parse_rates(args.rates or DEFAULT_RATES), [], {}
+    if args.rates is not None:
+        raise BenchError("give either --rates (req/s) or --rates-x/--overload (multiples of the plan's predicted "
+                         "goodput), not both")
+    if args.overload and args.rates_x is not None and args.rates_x != OVERLOAD_MULTIPLES:
+        raise BenchError(f"--overload is --rates-x {OVERLOAD_MULTIPLES}; give one of them")
+    xs = parse_rates(multiples, "--rates-x")
+    if not all(math.isfinite(x) for x in xs):
+        raise BenchError(f"--rates-x {multiples!r}: multiples must be finite (e.g. 0.7,1,1.5,2,4)")
+    g, where = predicted_goodput(args)
+    return [round(g * x, 3) for x in xs], xs, {"predicted_goodput_req_s": g, "predicted_from": where,
+                                               "rate_multiples": xs}
 
 
 async def _models(url: str, timeout_s: float = 5.0) -> tuple[str, str]:
@@ -77,7 +122,8 @@ def _endpoints(args: argparse.Namespace):
     return KVEndpoints(ep.urls, f"plan {args.plan or 'installed'}")
 
 
-async def _sweep(args: argparse.Namespace, prof, rates: list[float]) -> tuple[list, dict]:
+async def _sweep(args: argparse.Namespace, prof, rates: list[float], multiples: list | None = None,
+                 pred: dict | None = None) -> tuple[list, dict]:
     from .kvrate import KVRateProbe
     from .loadgen import Progress, prompt_token_counts, run_rate
     from .stats import summarize
@@ -100,7 +146,12 @@ async def _sweep(args: argparse.Namespace, prof, rates: list[float]) -> tuple[li
     if not quiet:
         print(f"pdctl bench: {args.url} model {model}; {prof.name}: {prof.prefix_len} shared + "
               f"{prof.unique_len} unique = {prof.input_len} input tokens, {prof.output_len} output; "
-              f"{args.num_prompts} prompts per rate; tokens by {tok.name}", file=sys.stderr)
+              f"{args.num_prompts} prompts per rate; tokens by {tok.name}; good = TTFT <= {args.slo_ttft_s:g} s "
+              f"and TPOT <= {args.slo_tpot_ms:g} ms", file=sys.stderr)
+        if multiples:
+            print(f"pdctl bench: overload sweep: {', '.join(f'{x:g}x' for x in multiples)} of the predicted goodput "
+                  f"G = {pred['predicted_goodput_req_s']:g} req/s ({pred['predicted_from']}) = "
+                  f"{', '.join(f'{r:g}' for r in rates)} req/s", file=sys.stderr)
     if args.warmup > 0:
         prog = Progress(f"warm-up {args.warmup_rate:g} req/s", args.warmup, enabled=not quiet)
         await run_rate(args.url, model, factory.prompts("warmup", args.warmup), args.warmup_rate, prof.output_len,
@@ -118,10 +169,15 @@ async def _sweep(args: argparse.Namespace, prof, rates: list[float]) -> tuple[li
                              request_timeout_s=args.request_timeout, deadline_s=args.max_duration,
                              progress=prog)
         kv = await probe.stop()
-        summaries.append(summarize(run, model=model, tokenizer_id=tok.name, num_prompts=args.num_prompts,
-                                   profile=profile_meta, kv=kv))
+        s = summarize(run, model=model, tokenizer_id=tok.name, num_prompts=args.num_prompts,
+                      profile=profile_meta, kv=kv, slo_ttft_s=args.slo_ttft_s, slo_tpot_ms=args.slo_tpot_ms)
+        if multiples:
+            s["rate_multiple"] = multiples[i]
+            s["predicted_goodput_req_s"] = pred["predicted_goodput_req_s"]
+        summaries.append(s)
     meta = {"url": args.url, "model": model, "profile": profile_meta, "seed": args.seed,
             "warmup": args.warmup, "warmup_rate": args.warmup_rate, "rates": rates,
+            "slo_ttft_s": args.slo_ttft_s, "slo_tpot_ms": args.slo_tpot_ms, **(pred or {}),
             "kv_endpoints": list(probe.ep.urls), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return summaries, meta
 
@@ -194,9 +250,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise BenchError(f"--max-duration must be > 0 seconds, got {args.max_duration}")
         if urlsplit(args.url).scheme not in ("http", "https") or not urlsplit(args.url).hostname:
             raise BenchError(f"--url {args.url!r}: use http://HOST:PORT (e.g. {DEFAULT_URL})")
-        rates = parse_rates(args.rates)
+        for name, unit in (("slo_ttft_s", "seconds"), ("slo_tpot_ms", "ms")):
+            v = getattr(args, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise BenchError(f"--{name.replace('_', '-')} must be > 0 {unit}, got {v:g}")
+        rates, multiples, pred = sweep_rates(args)
         prof = load_profile(args.profile, args.input_len, args.prefix_len, args.output_len)
-        summaries, meta = asyncio.run(_sweep(args, prof, rates))
+        summaries, meta = asyncio.run(_sweep(args, prof, rates, multiples, pred))
         if args.out:
             paths = write_results(Path(args.out), summaries, meta)
             if not args.quiet:
@@ -217,9 +277,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps([brief(s) for s in summaries], indent=2))
     else:
         print(table(summaries))
+    bare = sum(s.get("refused_without_retry_after") or 0 for s in summaries)
+    if bare:
+        print(f"pdctl bench: warning: {bare} refusal(s) came without a valid Retry-After header", file=sys.stderr)
     if all(s["completed"] == 0 for s in summaries):
-        first = next((e for s in summaries for e in s.get("errors", []) if e), "")
-        print(f"pdctl bench: every request failed (first error: {first})", file=sys.stderr)
+        refused = sum(s.get("refused") or 0 for s in summaries)
+        first = next((e for s in summaries for e in s.get("errors", []) if e and not e.startswith("refused")), "")
+        if refused:
+            print(f"pdctl bench: no request completed: {refused} refused by admission, "
+                  f"{sum(s['failed'] for s in summaries)} failed" + (f" (first error: {first})" if first else ""),
+                  file=sys.stderr)
+        else:
+            print(f"pdctl bench: every request failed (first error: {first})", file=sys.stderr)
         return 1
     return 0
 
@@ -234,7 +303,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", dest="input_len", type=int, help="tokens per prompt (prefix included)")
     p.add_argument("--prefix-len", dest="prefix_len", type=int, help="shared-prefix tokens")
     p.add_argument("--output-len", dest="output_len", type=int, help="output tokens (ignore_eos)")
-    p.add_argument("--rates", default="1,2,5,10", help="req/s, comma-separated (inf = all at once)")
+    p.add_argument("--rates", default=None, help=f"req/s, comma-separated (inf = all at once; default {DEFAULT_RATES})")
+    p.add_argument("--rates-x", dest="rates_x", metavar="MULTIPLES",
+                   help="rates as multiples of the plan's predicted goodput (plan.json "
+                        "\"predicted\".\"goodput_req_s\"; the installed plan, or --plan), e.g. 0.7,1,1.5,2,4")
+    p.add_argument("--overload", action="store_true",
+                   help=f"the overload sweep: --rates-x {OVERLOAD_MULTIPLES} (refused, good and goodput per rate)")
+    p.add_argument("--slo-ttft-s", dest="slo_ttft_s", type=float, default=_d("workload", "ttft_slo_s"),
+                   help="a request is good when its TTFT <= this (seconds) and its TPOT <= --slo-tpot-ms "
+                        "(default: [workload] ttft_slo_s, %(default)s)")
+    p.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=float, default=_d("workload", "tpot_slo_ms"),
+                   help="TPOT SLO of a good request, ms (default: [workload] tpot_slo_ms, %(default)s)")
     p.add_argument("--num-prompts", dest="num_prompts", type=int, default=600, help="per rate (seed: 600)")
     p.add_argument("--warmup", type=int, default=100, help="warm-up prompts before the sweep (seed: 100)")
     p.add_argument("--warmup-rate", dest="warmup_rate", type=float, default=5.0, help="seed: 5 req/s")
@@ -260,7 +339,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-metrics", dest="kv_metrics", action="append", default=[], metavar="URL",
                    help="a /metrics endpoint for the KV hit rate (KV server, decoders); repeatable "
                         "(default: from the installed plan)")
-    p.add_argument("--plan", help="plan.json (or pdctl.toml) to take the KV metrics endpoints from")
+    p.add_argument("--plan", help="plan.json (or pdctl.toml) to take the KV metrics endpoints and, for --rates-x/"
+                                  "--overload, the predicted goodput from (default: the installed plan)")
     p.add_argument("--seed", type=int, default=2003, help="prompts and arrivals (seed: 2003)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_bench, bench_action=None)

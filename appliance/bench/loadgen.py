@@ -10,12 +10,18 @@ a stream that ends without ``data: [DONE]``, a connection error, or its time-out
 bounded: ``num_prompts`` arrivals, each request's time-out, and an overall deadline after which the
 requests still running are cancelled and counted failed.
 
+A request is *refused*, not failed, when the stack's admission turned it away: HTTP 503, 429 or 529 in
+OpenAI's error shape with the code ``server_overloaded`` (``appliance/admit.py``). A refusal is a measurement
+of the box past its capacity, so it is never retried; its ``Retry-After`` header is kept and checked (whole
+seconds, or an HTTP-date, RFC 9110 10.2.3).
+
 The client is the wire layer's keep-alive pool (no connection limit, like ``vllm bench serve``'s session): a
 request is written on an idle connection or a new one, and its stream is read as the bytes arrive.
 """
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 import math
 import random
@@ -24,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from appliance.admit import OVERLOADED_CODE          # the error code of a refusal (one owner: admit.py)
+from appliance.admit import STATUSES as REFUSAL_STATUSES   # [admission] status: 503 (default), 429 or 529
 from appliance.wire.client import Pool, UpstreamError
 from appliance.wire.fetch import split
 
@@ -32,6 +40,28 @@ from .workload import Prompt
 
 CONNECT_TIMEOUT_S = 10.0
 _HEADERS = {"Content-Type": "application/json"}
+
+
+def retry_after_valid(value: Optional[str]) -> bool:
+    """A usable ``Retry-After`` (RFC 9110 10.2.3): delay-seconds (digits) or an HTTP-date."""
+    v = (value or "").strip()
+    if not v:
+        return False
+    if v.isascii() and v.isdigit():
+        return True
+    try:
+        return email.utils.parsedate_to_datetime(v) is not None
+    except (TypeError, ValueError, IndexError):
+        return False
+
+
+def _overloaded(raw: bytes) -> bool:
+    """The body is OpenAI's error shape with the code ``server_overloaded``."""
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("code") == OVERLOADED_CODE
 
 
 @dataclass
@@ -47,6 +77,9 @@ class RequestResult:
     output_tokens: int = 0        # usage.completion_tokens when reported, else content chunks
     prompt_tokens: int = 0        # usage.prompt_tokens when reported, else our own count
     end: float = 0.0              # completion offset (s from the run start)
+    refused: bool = False         # turned away by admission (503/429/529, server_overloaded): not a failure
+    retry_after: Optional[str] = None   # a refusal's Retry-After header as sent (None: absent)
+    refusal_s: float = 0.0        # s, send -> the refusal's answer
 
 
 @dataclass
@@ -99,13 +132,14 @@ class Progress:
         self.enabled = enabled
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.t0 = time.monotonic()
-        self.done = self.failed = 0
+        self.done = self.failed = self.refused = 0
         self._last = 0.0
         self._last_q = -1
 
-    def update(self, ok: bool) -> None:
+    def update(self, ok: bool, refused: bool = False) -> None:
         self.done += 1
-        self.failed += 0 if ok else 1
+        self.refused += 1 if refused else 0
+        self.failed += 0 if ok or refused else 1
         if not self.enabled:
             return
         now = time.monotonic()
@@ -125,7 +159,7 @@ class Progress:
         width = 30
         fill = int(width * self.done / max(self.total, 1))
         return (f"{self.label} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} done, "
-                f"{self.failed} failed, {time.monotonic() - self.t0:.1f}s")
+                f"{self.failed} failed, {self.refused} refused, {time.monotonic() - self.t0:.1f}s")
 
     def close(self) -> None:
         if self.enabled and self.tty:
@@ -153,7 +187,14 @@ async def _one(pool: Pool, path: str, body: dict, res: RequestResult, t0: float,
         async with asyncio.timeout(timeout_s) if hasattr(asyncio, "timeout") else _Deadline(timeout_s):
             conn = await pool.request("POST", path, json.dumps(body).encode(), _HEADERS, None)
             if conn.status // 100 != 2:
-                text = (await conn.read_all()).decode("utf-8", "replace")[:200].replace("\n", " ")
+                raw = await conn.read_all()
+                if conn.status in REFUSAL_STATUSES and _overloaded(raw):
+                    res.refused = True          # a measurement: never retried
+                    res.refusal_s = time.perf_counter() - start
+                    res.retry_after = conn.headers.get("retry-after")
+                    res.error = f"refused: HTTP {conn.status} {OVERLOADED_CODE}, Retry-After {res.retry_after}"
+                    return
+                text = raw.decode("utf-8", "replace")[:200].replace("\n", " ")
                 res.error = f"HTTP {conn.status}: {text}"
                 return
             buf = bytearray()
@@ -285,7 +326,7 @@ async def run_rate(base_url: str, model: str, prompts: Sequence[Prompt], rate: f
             finally:
                 inflight -= 1
                 if progress:
-                    progress.update(results[i].ok)
+                    progress.update(results[i].ok, results[i].refused)
 
         tasks = [asyncio.create_task(fire(i)) for i in range(len(prompts))]
         _, pending = await asyncio.wait(tasks, timeout=deadline_s) if tasks else (set(), set())

@@ -29,10 +29,20 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _refused(d) -> str:
+    n, bare = d.get("refused"), d.get("refused_without_retry_after") or 0
+    if n is None:
+        return "-"
+    return f"{n}" + (f" ({bare} no RA)" if bare else "")
+
+
 COLUMNS = (  # header, width, cell
     ("asked", 6, lambda d: _rate_name(d.get("request_rate", "?"))),
     ("delivered", 9, lambda d: f"{d.get('request_throughput', 0):.2f}"),
     ("ok/failed", 9, lambda d: f"{d.get('completed', 0)}/{d.get('failed', 0)}"),
+    ("refused", 7, _refused),           # goodput is never shown without its refusals
+    ("good", 5, lambda d: "-" if d.get("good") is None else str(d["good"])),
+    ("goodput", 7, lambda d: "-" if d.get("goodput") is None else f"{d['goodput']:.2f}"),
     ("TTFT p50", 8, lambda d: _s(d.get("p50_ttft_ms"))),
     ("p90", 7, lambda d: _s(d.get("p90_ttft_ms"))),
     ("p95", 7, lambda d: _s(d.get("p95_ttft_ms"))),
@@ -48,11 +58,20 @@ COLUMNS = (  # header, width, cell
 
 
 def table(summaries: Iterable[dict]) -> str:
-    """The seed's table: one row per rate; times in seconds unless marked."""
+    """The seed's table: one row per rate; times in seconds unless marked; then what good and refused mean."""
+    summaries = list(summaries)
     head = "  ".join(f"{h:>{w}}" for h, w, _ in COLUMNS)
     rows = [head, "  ".join("-" * w for _, w, _ in COLUMNS)]
     for d in summaries:
         rows.append("  ".join(f"{f(d):>{w}}" for _, w, f in COLUMNS))
+    slo = next((d for d in summaries if d.get("slo_ttft_s") is not None), None)
+    if slo:
+        rows.append(f"good: TTFT <= {slo['slo_ttft_s']:g} s and own TPOT <= {slo['slo_tpot_ms']:g} ms; goodput: "
+                    "good per second of arrivals (good x asked / prompts), req/s; refused: turned away by "
+                    "admission (server_overloaded), not retried, not failed")
+    bare = sum(d.get("refused_without_retry_after") or 0 for d in summaries)
+    if bare:
+        rows.append(f"warning: {bare} refusal(s) came without a valid Retry-After header (no RA)")
     return "\n".join(rows)
 
 
@@ -94,6 +113,10 @@ COMPARE_ROWS = (  # label, key, scale, lower is better
     ("delivered req/s", "request_throughput", 1, False),
     ("completed", "completed", 1, False),
     ("failed", "failed", 1, True),
+    ("refused", "refused", 1, True),
+    ("refused w/o Retry-After", "refused_without_retry_after", 1, True),
+    ("good", "good", 1, False),
+    ("goodput req/s", "goodput", 1, False),
     ("TTFT p50 s", "p50_ttft_ms", 1e-3, True),
     ("TTFT p95 s", "p95_ttft_ms", 1e-3, True),
     ("TTFT p99 s", "p99_ttft_ms", 1e-3, True),

@@ -8,6 +8,10 @@ token per ``--itl`` seconds, honouring ``max_tokens`` (``ignore_eos``); the usag
 with a different ratio, so a reader that used totals instead of deltas gets the wrong answer.
 ``--token-scale``/``--bos`` make its prompt token counts unlike the twin rule (a different tokenizer).
 ``/_log`` lists the arrival time (monotonic, s) and prompt token count of every completion request.
+``--refuse-every N`` answers every N-th completion request as an overloaded box does (``--refuse-status``,
+OpenAI's error shape with ``--refuse-code``, ``Retry-After`` from the comma-separated ``--retry-after`` values in
+turn; an empty value sends none).
+``/health`` answers 200 so the pdctl proxy can stand in front of it.
 """
 from __future__ import annotations
 
@@ -49,6 +53,9 @@ def build(args: argparse.Namespace) -> web.Application:
     async def log(_):
         return web.json_response({"log": state["log"], "n": state["n"]})
 
+    async def health(_):
+        return web.Response(text="")
+
     def chunk(text: str, finish=None) -> bytes:
         d = {"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": args.model,
              "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
@@ -66,6 +73,14 @@ def build(args: argparse.Namespace) -> web.Application:
         state["lmc_hit"] += int(args.hit_fraction * ptoks)
         state["ext_req"] += ptoks
         state["ext_hit"] += int(args.dec_hit_fraction * ptoks)
+        if args.refuse_every and n % args.refuse_every == 0:
+            state["log"][-1]["refused"] = True
+            err = {"error": {"message": "the server is overloaded", "type": "service_unavailable",
+                             "param": None, "code": args.refuse_code}}
+            values = args.retry_after.split(",")        # cycled over the refusals; "" = no header
+            ra = values[(n // args.refuse_every - 1) % len(values)]
+            hdrs = {"Retry-After": ra} if ra else {}
+            return web.json_response(err, status=args.refuse_status, headers=hdrs)
         if args.fail_every and n % args.fail_every == 0:
             return web.json_response({"error": {"message": "injected failure", "code": 500}}, status=500)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
@@ -95,6 +110,7 @@ def build(args: argparse.Namespace) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/_log", log)
+    app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", completions)
     return app
 
@@ -112,6 +128,10 @@ async def main() -> None:
     ap.add_argument("--error-every", type=int, default=0)
     ap.add_argument("--stall-every", type=int, default=0)
     ap.add_argument("--stall", type=float, default=30.0)
+    ap.add_argument("--refuse-every", type=int, default=0)
+    ap.add_argument("--refuse-status", type=int, default=503)
+    ap.add_argument("--refuse-code", default="server_overloaded")
+    ap.add_argument("--retry-after", default="2")
     ap.add_argument("--token-scale", type=float, default=1.0, help="prompt tokens per twin token (a tokenizer "
                                                                    "unlike the twin rule)")
     ap.add_argument("--bos", type=int, default=0, help="special tokens added to every prompt count")
