@@ -4,7 +4,9 @@ Instant stand-in engines (a lean asyncio HTTP server in its own process: a prefi
 answering at once in vLLM's SSE shape) isolate what the proxy itself adds. Streaming Poisson load at each
 rate from the wire layer's keep-alive HTTP/1.1 client (appliance/wire/client.py, in its own process),
 TTFT = request written -> first ``data:`` chunk read. Every request through a proxy takes both legs (pdctl
-runs with --pd-min-prompt-tokens 0).
+runs with --pd-min-prompt-tokens 0). pdctl runs with its admission step on (``[admission] mode = "slo"``, the
+default: every request is judged by appliance/admit.py before it takes a worker) and, as ``pdctl-admoff``, the same
+proxy with ``mode = "off"``, so the admission step's own cost is the difference of the two in the same run.
 
     .venv/bin/python benchmarks/proxy_overhead.py                # 60 and 300 req/s, then 600 req/s sustained
     .venv/bin/python benchmarks/proxy_overhead.py --rates 60 --duration 5 --no-sustained
@@ -24,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,14 +236,35 @@ def _router_bin() -> str | None:
     return str(cand) if cand.exists() else shutil.which("vllm-router")
 
 
+ADMISSION_OFF = "pdctl-admoff"     # the same proxy with [admission] mode = "off"
+
+
+def serve_proxy(mode: str, argv: list) -> None:
+    """``pdctl proxy ARGV`` with ``[admission] mode`` set to ``mode`` (the standalone proxy has no flag for it;
+    ``from_plan`` reads it from pdctl.toml): its own config_from_args and serve, only the mode replaced."""
+    import logging
+    from appliance.proxy import cli as pcli
+    ap = argparse.ArgumentParser()
+    pcli.register(ap.add_subparsers())
+    args = ap.parse_args(["proxy", *argv])
+    logging.basicConfig(level=logging.WARNING)
+    cfg = pcli.config_from_args(args)
+    pcli._run(pcli.serve(replace(cfg, admission=replace(cfg.admission, mode=mode))))
+
+
 def start_target(name: str, p_port: int, d_port: int, baseline: Path | None = None):
-    """(port, process) of the thing to load: the decoder itself, pdctl, pdctl-base (the same proxy from
-    another checkout, ``--baseline``), or vllm-router."""
+    """(port, process) of the thing to load: the decoder itself, pdctl (admission on, the default), pdctl-admoff
+    (admission off), pdctl-base (the same proxy from another checkout, ``--baseline``), or vllm-router."""
     if name == "direct":
         return d_port, None
     port = _free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-    if name in ("pdctl", "pdctl-base"):
+    if name == ADMISSION_OFF:
+        argv = [sys.executable, __file__, "--proxy-mode", "off", "--listen", f"127.0.0.1:{port}",
+                "--internal", "127.0.0.1:0", "--prefill", p_url, "--decode", d_url, "--pd-min-prompt-tokens", "0"]
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_http(f"http://127.0.0.1:{port}/ready", 30, proc)
+    elif name in ("pdctl", "pdctl-base"):
         argv = [sys.executable, "-m", "appliance", "proxy", "--listen", f"127.0.0.1:{port}",
                 "--internal", "127.0.0.1:0", "--prefill", p_url, "--decode", d_url, "--pd-min-prompt-tokens", "0"]
         cwd = ROOT if name == "pdctl" else baseline      # -m appliance imports the package under cwd first
@@ -293,7 +317,8 @@ def main() -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=[60, 300])
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of load per target and rate")
     ap.add_argument("--slice", type=float, default=4.0, help="seconds per interleaved load slice")
-    ap.add_argument("--targets", nargs="+", default=["direct", "pdctl", "vllm-router"])
+    ap.add_argument("--targets", nargs="+", default=["direct", "pdctl", ADMISSION_OFF, "vllm-router"],
+                    help=f"pdctl: admission on ([admission] mode slo, the default); {ADMISSION_OFF}: mode off")
     ap.add_argument("--sustained-rate", type=float, default=600)
     ap.add_argument("--sustained-duration", type=float, default=20.0)
     ap.add_argument("--no-sustained", action="store_true")
@@ -327,11 +352,20 @@ def main() -> int:
         print(f"proxy overhead on {os.cpu_count()} CPUs: instant engines, streaming Poisson load, {a.duration:g} s "
               f"per target and rate in interleaved {a.slice:g} s slices, {TOKENS} tokens per answer"
               + (", SCHED_FIFO" if a.realtime else ""))
+        if "pdctl" in ports or ADMISSION_OFF in ports:
+            print(f"  pdctl: admission on ([admission] mode slo, the default); {ADMISSION_OFF}: mode off")
         for rate in a.rates:
             print(f"rate {rate:g} req/s")
             res = measure(ports, rate, a.duration, a.slice)
             for name in ports:
                 print(_row(name, res[name], res.get("direct") if name != "direct" else None), flush=True)
+            if "pdctl" in res and ADMISSION_OFF in res:
+                on, off = res["pdctl"], res[ADMISSION_OFF]
+                cost = {"p50_ms": on["p50_ms"] - off["p50_ms"], "p99_ms": on["p99_ms"] - off["p99_ms"],
+                        "mean_ms": on["mean_ms"] - off["mean_ms"]}
+                res["admission_cost"] = cost
+                print(f"  admission step (pdctl - {ADMISSION_OFF}): p50 {cost['p50_ms']:+.2f} ms  p99 "
+                      f"{cost['p99_ms']:+.2f} ms  mean {cost['mean_ms']:+.3f} ms", flush=True)
             results["rates"][str(rate)] = res
         if not a.no_sustained and "pdctl" in ports and "direct" in ports:
             rate = a.sustained_rate
@@ -362,6 +396,8 @@ if __name__ == "__main__":
         runner = asyncio.run
     if len(sys.argv) > 1 and sys.argv[1] == "--engines":
         runner(_engines([int(p) for p in sys.argv[2:]]))
+    elif len(sys.argv) > 2 and sys.argv[1] == "--proxy-mode":
+        serve_proxy(sys.argv[2], sys.argv[3:])
     elif len(sys.argv) > 1 and sys.argv[1] == "--load":
         r = runner(load(int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])))
         print(json.dumps(r))

@@ -3,6 +3,15 @@
 Every router flag below exists in ``vllm-router 0.1.17 --help``; the values are chosen so that a stopped
 box is taken out within a few seconds and a request that failed before its first byte is retried on
 another box (connection errors and 5xx count towards the per-box circuit breaker).
+
+A box's admission refusals (issue 28) are the router's to spread, and vllm-router 0.1.17 treats the two statuses
+differently (benchmarks/fleet_overload.py, docs/fleet.md): it retries both 429 and 503 (up to ``retries``
+attempts, its own 50-500 ms backoff; it ignores Retry-After and hands the last box's answer, Retry-After
+included, to the client), but a 503 counts against the box's breaker and a 429 does not. With 503 two refusals
+open the box's breaker and the router then answers "No available workers" itself (no Retry-After) until it
+closes, even at 0.7x of the fleet's capacity; so boxes behind the router refuse with ``[admission] status =
+429``. A 429 is retried on the box the policy picks again: cache_aware moves it to another box once the loads
+differ by ``balance_abs`` requests and ``balance_rel`` times (the router's load: requests in flight per box).
 """
 from __future__ import annotations
 
@@ -65,9 +74,11 @@ class RouterPlan:
     health_successes: int = 2
     cb_failures: int = 2                  # two failed attempts open the box's breaker: the retry goes elsewhere
     cb_open_s: int = 10
-    retries: int = 3
+    retries: int = 3                      # attempts in all (vllm-router's --retry-max-retries counts the first)
     retry_backoff_ms: int = 50
     retry_max_backoff_ms: int = 500
+    balance_abs: int = 64                 # cache_aware balances by load once in-flight requests differ by this
+    balance_rel: float = 1.5              # ... and the busier box has this many times the other's
     startup_timeout_s: int = 60           # a box down at boot must not hold the router for vllm-router's 600 s
     request_timeout_s: int = 1800
     cache_threshold: float = 0.3
@@ -183,6 +194,8 @@ def router_argv(r: RouterPlan, nodes: tuple) -> tuple:
         "--worker-urls", *[n.url for n in nodes],
         "--policy", r.policy,
         "--cache-threshold", f"{r.cache_threshold:g}",
+        "--balance-abs-threshold", str(r.balance_abs),
+        "--balance-rel-threshold", f"{r.balance_rel:g}",
         "--health-check-endpoint", r.health_path,
         "--health-check-interval-secs", str(r.health_interval_s),
         "--health-check-timeout-secs", str(r.health_timeout_s),
@@ -228,20 +241,29 @@ def make_fleet_plan(node_specs: list, policy: str = DEFAULT_POLICY, listen: str 
                    **router_overrides)
     if r.cb_failures < 1 or r.retries < 1 or r.health_interval_s < 1 or r.health_timeout_s < 1:
         raise FleetError("router thresholds must be >= 1 (breaker failures, retries, health interval/timeout)")
+    if r.balance_abs < 0 or r.balance_rel < 1:
+        raise FleetError("cache_aware balance thresholds: balance_abs must be >= 0 and balance_rel >= 1")
     r = RouterPlan(**{**asdict(r), "argv": router_argv(r, nodes)})
     reasons = [
         f"one router (vllm-router {version}) in regular mode: each box's proxy is one OpenAI worker; prefill/"
         "decode disaggregation and the shared LMCache L1 stay inside each box (CUDA IPC does not cross hosts)",
         {"cache_aware": "policy cache_aware: a prompt whose prefix the router sent to a box before goes to that "
                         f"box while the match is > {r.cache_threshold:g} of the prompt and loads are balanced "
-                        "(the box's L1 already holds it); it reads the prompt's tokens from each box's render routes",
+                        "(the box's L1 already holds it); it reads the prompt's tokens from each box's render routes; "
+                        f"once the boxes' requests in flight differ by more than {r.balance_abs} and "
+                        f"{r.balance_rel:g}x, it sends to the least loaded box instead",
          "consistent_hash": "policy consistent_hash: X-Session-Id / the request's user field pins a session to "
                             "one box (its L1 keeps the conversation)",
          }.get(policy, f"policy {policy}: load only, no cache affinity (boxes recompute shared prefixes)"),
         f"health: {r.health_path} every {r.health_interval_s} s, out after {r.health_failures} failures; "
         f"{r.health_path} is 200 only while the box's PD canary passes",
-        f"failover: {r.retries} retries before the first byte; {r.cb_failures} failures open a box's breaker for "
-        f"{r.cb_open_s} s so the retry lands on another box",
+        f"failover: up to {r.retries} attempts before the first byte ({r.retry_backoff_ms}-{r.retry_max_backoff_ms} ms "
+        f"apart); {r.cb_failures} failures (connection errors, 5xx) open a box's breaker for {r.cb_open_s} s so the "
+        "next attempt lands on another box",
+        "box refusals: set [admission] status = 429 on every box behind the router: vllm-router "
+        f"{version} retries a 429 (up to {r.retries} attempts) without counting it against the box's breaker and "
+        "passes the last box's Retry-After to the client; a 503 counts as a failure, and two of them make the "
+        "router refuse everything itself for the breaker's open time (benchmarks/fleet_overload.py)",
         "clients send the boxes' API key; vllm-router passes Authorization through (all boxes share one key)",
         f"router metrics on {mhost}:{mport} (Prometheus)",
     ]

@@ -60,8 +60,21 @@ def test_router_argv_is_accepted_by_vllm_router_own_parser():
     assert ra.retry_max_retries == fp.router.retries
     assert ra.health_check_interval_secs == fp.router.health_interval_s
     assert ra.worker_startup_timeout_secs == 60
+    assert (ra.balance_abs_threshold, ra.balance_rel_threshold) == (fp.router.balance_abs, fp.router.balance_rel) \
+        == (64, 1.5)                        # emitted, not left to the router's defaults: how a full box spills
     assert not ra.vllm_pd_disaggregation   # PD stays inside each box
     ra._validate_router_args()
+
+
+def test_plan_says_how_boxes_refuse_behind_the_router():
+    """vllm-router 0.1.17 counts a 503 against the box's breaker, a 429 not (benchmarks/fleet_overload.py): the
+    plan's reasons tell the operator to refuse with 429 on the boxes, and say how many attempts a request gets."""
+    fp = make_fleet_plan(["a=10.0.0.1", "b=10.0.0.2"], balance_abs=3)
+    why = " ".join(fp.reasons)
+    assert "[admission] status = 429" in why and "up to 3 attempts" in why
+    assert "more than 3 and 1.5x" in why
+    argv = list(fp.router.argv)
+    assert argv[argv.index("--balance-abs-threshold") + 1] == "3"
 
 
 @pytest.mark.parametrize("policy", ["consistent_hash", "power_of_two", "round_robin"])
@@ -91,6 +104,8 @@ def test_json_roundtrip_and_bad_file_shape():
     (dict(node_specs=["a"], listen="30000"), "HOST:PORT"),
     (dict(node_specs=["a"], metrics="0.0.0.0:30000"), "collides"),
     (dict(node_specs=["a"], retries=0), ">= 1"),
+    (dict(node_specs=["a"], balance_rel=0.5), "balance_rel >= 1"),
+    (dict(node_specs=["a"], balance_abs=-1), "balance_abs must be >= 0"),
 ])
 def test_make_fleet_plan_rejects(kwargs, needle):
     with pytest.raises(FleetError, match=needle):
