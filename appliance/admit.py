@@ -291,20 +291,25 @@ class WorkerRates:
         self.ttft = LinearFit(prior.ttft_a, 1.0 / prior.prefill_tps, prior.tokens_ref, a_min=0.0,
                               b_min=1e-7)
         self.tpot = LinearFit(prior.tpot_b, prior.tpot_k, prior.streams_ref, a_min=0.0, b_min=0.0)
+        self._rates: Optional[Rates] = None    # built once per observation (the proxy asks per request)
 
     def saw_first_token(self, tokens_ahead_and_own: float, ttft_s: float) -> None:
         """A request that met ``tokens_ahead_and_own`` (backlog at start + its uncached tokens) got its first
         token ``ttft_s`` after it started (queue wait excluded)."""
         self.ttft.observe(tokens_ahead_and_own, ttft_s)
+        self._rates = None
 
     def saw_stream(self, streams: float, tpot_s: float) -> None:
         """A stream ended having seen ``streams`` streams on its worker (its own included), at ``tpot_s``."""
         self.tpot.observe(streams, tpot_s)
+        self._rates = None
 
     def rates(self) -> Rates:
-        a, s = self.ttft.coef()
-        b, k = self.tpot.coef()
-        return Rates(a, s, b, k, self.tpot.sd(), self.ttft.sd())
+        if self._rates is None:
+            a, s = self.ttft.coef()
+            b, k = self.tpot.coef()
+            self._rates = Rates(a, s, b, k, self.tpot.sd(), self.ttft.sd())
+        return self._rates
 
 
 class WaitQueue:

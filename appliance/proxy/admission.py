@@ -64,6 +64,7 @@ class Gate:
         self.queue = A.WaitQueue()
         self.drain = A.DrainMeter()
         self.rates: dict = {}          # backend label -> WorkerRates
+        self._counters: dict = {}      # (outcome, reason, priority) -> its labelled counter
         self._poke_pending = False
 
     # ----- configuration --------------------------------------------------------------------------
@@ -95,7 +96,9 @@ class Gate:
         dec = self.view(rt.decode, cap)
         pre = self.view(rt.prefill, cap) if rt.prefill is not None else None
         q = A.QueueView(ahead, len(self.queue), self.drain.rate(now), arriving)
-        return A.judge(now, replace(ask, uncached=rt.uncached), pre, dec, q, self.policy)
+        if ask.uncached != rt.uncached:
+            ask = replace(ask, uncached=rt.uncached)
+        return A.judge(now, ask, pre, dec, q, self.policy)
 
     def _ticket(self, now: float, rt) -> Ticket:
         t = Ticket(self, now)
@@ -111,7 +114,11 @@ class Gate:
         return t
 
     def _count(self, v: A.Verdict, priority: int) -> None:
-        self.s.metrics.admission.labels(v.action, v.reason, str(priority)).inc()
+        key = (v.action, v.reason, priority)
+        c = self._counters.get(key)
+        if c is None:
+            c = self._counters[key] = self.s.metrics.admission.labels(v.action, v.reason, str(priority))
+        c.inc()
         self.s.counts[f"admission:{v.action}:{v.reason}"] += 1
 
     async def enter(self, ask: A.Ask, rt, reroute):
@@ -222,7 +229,7 @@ class Gate:
 
     def status(self) -> dict:
         now = time.monotonic()
-        return {"mode": self.policy.mode, "active": self.active,
+        return {"mode": self.policy.mode, "active": self.active, "refusal_status": self.policy.status,
                 **({} if self.active or self.policy.mode == "off" else
                    {"inactive": f"policy {self.s.cfg.policy}: admission judges the workers the adaptive policy "
                                 "chose; set [proxy] policy = \"adaptive\""}),
