@@ -19,7 +19,8 @@ The rule, in plain words (defaults derived on the twin by ``benchmarks/overload.
    predicted wait (the requests ahead of it over the rate the queue drained at lately) still leaves time
    for its own TTFT before the deadline; else **refuse now** (503 and ``Retry-After``: the time the queue
    ahead needs to drain down to what a new request can wait), before any engine sees it.
-6. A waiting request whose deadline can no longer be met even on an idle worker leaves the queue refused.
+6. A waiting request whose deadline can no longer be met even on an idle worker, or that waited until its goal
+   (arrival + target x budget), leaves the queue refused; an idle worker takes the head only before that.
    A stream already started is never stopped by admission.
 
 ``mode = "queue"`` keeps the bounded queue without predictions: a worker takes at most ``max_streams``
@@ -161,6 +162,8 @@ def judge(now: float, ask: Ask, prefill: Optional[Worker], decode: Worker, q: Qu
     own = pre.rates.ttft(ask.uncached)                              # its TTFT on this worker with nothing ahead
     ttft = waited + pre.rates.ttft(pre.backlog + ask.uncached)
     idle = decode.streams == 0 and pre.backlog == 0 and (prefill is None or prefill.streams == 0)
+    if not q.arriving and now >= goal:     # it waited all it may: even an idle worker would start it too late
+        return Verdict(REFUSE, R_EXPIRED, ttft, retry_after(q, 0.0, p))
     if q.ahead == 0:
         if idle:
             return Verdict(ADMIT, R_IDLE, ttft)

@@ -71,6 +71,13 @@ def test_waiting_request_past_hope_leaves_refused():
     assert v.retry_after_s >= 1
 
 
+def test_a_head_past_its_goal_is_refused_even_with_an_idle_worker():
+    # goal = 0.8 x 2 s after arrival; the idle rule starts heads only before it
+    v = A.judge(1.6, ask(now=0.0), None, worker(), A.QueueView(0, 1, 1.0, arriving=False), P)
+    assert (v.action, v.reason) == (A.REFUSE, A.R_EXPIRED)
+    assert A.judge(1.5, ask(now=0.0), None, worker(), A.QueueView(0, 1, 1.0, arriving=False), P).action == A.ADMIT
+
+
 def test_queue_full_refuses_new_arrivals():
     v = A.judge(0.0, ask(), None, worker(streams=60), A.QueueView(8, 8, 0.0), P)
     assert (v.action, v.reason) == (A.REFUSE, A.R_QUEUE_FULL)
