@@ -271,10 +271,13 @@ def test_a_burst_past_capacity_is_refused_before_any_engine_sees_it(soft, http, 
                                       "admitted_within_ttft_slo": round(within, 3),
                                       "refusal_latency_p50_s": round(refusal_s[len(refusal_s) // 2], 3),
                                       "refusal_latency_max_s": round(refusal_s[-1], 3)}
-    # a bound that only catches breakage (timings vary on a shared 2-core box): admitted requests do not wait
-    # for the whole burst ahead of them, and a refusal never waits past the TTFT SLO's order of magnitude
-    assert ttft[len(ttft) // 2] <= 2 * TTFT_SLO_S, real_report["admission_burst"]
-    assert refusal_s[-1] <= 5 * TTFT_SLO_S, real_report["admission_burst"]
+    # behaviour, not timings (those are in the report): the proxy's own verdicts account for every client answer,
+    # and every refusal is one of admission's (at arrival, or from the queue once its goal passed)
+    verdicts = st["verdicts"]
+    assert sum(v for k, v in verdicts.items() if k.startswith("admit:")) == len(ok), verdicts
+    refusals = {k: v for k, v in verdicts.items() if k.startswith("refuse:")}
+    assert sum(refusals.values()) == len(refused), verdicts
+    assert set(refusals) <= {"refuse:deadline", "refuse:expired", "refuse:queue_full"}, verdicts
 
 
 HOLDS = 2
