@@ -102,7 +102,7 @@ main() {
 
   # --- pdctl into its venv (small); a venv the pdctl user cannot run is rebuilt ---------------------
   local created=0
-  if [ -x "$prefix/bin/python" ] && ! "$prefix/bin/python" "$here/appliance/pathcheck.py" --interpreter >/dev/null 2>&1; then
+  if [ -x "$prefix/bin/python" ] && ! "$prefix/bin/python" "$here/appliance/install/pathcheck.py" --interpreter >/dev/null 2>&1; then
     warn "$prefix was built from an interpreter the pdctl user cannot run: rebuilding it from $py"
     rm -rf "$prefix"
   fi
@@ -193,7 +193,7 @@ choose_python() {
     if ! "$cand" -c 'import venv, ensurepip' 2>/dev/null; then
       why="$cand has no venv support. Fix: apt-get install python3-venv"; continue
     fi
-    local out; if out=$("$cand" "$here/appliance/pathcheck.py" --interpreter 2>&1); then
+    local out; if out=$("$cand" "$here/appliance/install/pathcheck.py" --interpreter 2>&1); then
       [ -z "$asked" ] && [ "$cand" != "${cands[0]}" ] && \
         echo "[WARN] ${cands[0]:-python3} cannot be run by the pdctl service user; using $cand" >&2
       echo "$cand"; return 0

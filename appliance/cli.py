@@ -9,18 +9,23 @@ import argparse
 import sys
 from importlib.metadata import entry_points
 
-from . import __version__, demo, install, model_cli, plan_cli
+from . import __version__
 from .bench import cli as bench_cli
-from .collector import cli as collector_cli
 from .doctor import cli as doctor_cli
 from .errors import EXIT_BAD, EXIT_FAIL, CliError
 from .fleet import cli as fleet_cli
+from .install import cli as install
 from .launcher import cli as launcher_cli
+from .model import cli as model_cli
+from .plan import cli as plan_cli
 from .proxy import cli as proxy_cli
+from .stack import demo
 from .twin import cli as twin_cli
+from .views import cli as views_cli
+from .views import export as export_cli
 
 # in the order of `pdctl --help`; demo before the entry points (the UI adds the demo's dashboard to it)
-VERB_GROUPS = (plan_cli, install, twin_cli, proxy_cli, collector_cli, launcher_cli, demo, bench_cli, fleet_cli,
+VERB_GROUPS = (plan_cli, install, twin_cli, proxy_cli, views_cli, launcher_cli, demo, bench_cli, fleet_cli, export_cli,
                model_cli, doctor_cli)
 ENTRY_POINT_GROUP = "pdctl.verbs"
 # verbs the UI package is expected to add: without it they say why instead of argparse's "invalid choice"
@@ -67,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .bench import BenchError
-    from .config import ConfigError
     from .inventory import InventoryError
-    from .models import ModelError
-    from .planner import PlanError
+    from .model.profiles import ModelError
+    from .plan.planner import PlanError
+    from .settings.config import ConfigError
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)

@@ -1,7 +1,7 @@
 """Where the suites keep what they build once (wheelhouse, service venv, tiny model): one owner.
 
 ``<checkout>/.cache`` normally. A checkout under /tmp, /var/tmp, /home or /root is hidden from the
-appliance's units (PrivateTmp=yes / ProtectHome=yes, appliance/pathcheck.py), so an engine venv or a model
+appliance's units (PrivateTmp=yes / ProtectHome=yes, appliance/install/pathcheck.py), so an engine venv or a model
 kept there would not exist for them: then the cache moves to /var/cache/pdctl-tests/<checkout-id>, which
 the units can read. Always created, so any one test module can run by itself.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from appliance.pathcheck import hidden_by
+from appliance.install.pathcheck import hidden_by
 
 REPO = Path(__file__).resolve().parents[1]
 OUTSIDE = Path("/var/cache/pdctl-tests")

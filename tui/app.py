@@ -22,16 +22,16 @@ from typing import Any, Callable, Optional, Protocol
 from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
-from textual.css.query import NoMatches
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, RichLog, Static
 from textual.worker import Worker, WorkerState
 
 from appliance import constants as C
-from appliance.actions import ActionResult, run_unit_action
 from appliance.collector.snapshot import Snapshot
-from appliance.status import na_notes
+from appliance.views.actions import ActionResult, run_unit_action
+from appliance.views.status import na_notes
 
 from .panels import fleet as fleet_panel
 from .panels import header as header_panel
@@ -55,7 +55,7 @@ class FleetSource(Protocol):
 def journal_logs(unit: str, after_cursor: str) -> tuple[list, str, str]:
     """Default log source: (lines, last cursor, error) from journalctl for one unit (ALL_UNITS: every pd
     unit)."""
-    from appliance import journal
+    from appliance.views import journal
     units = [C.KV_UNIT, C.PROXY_UNIT, "pd-worker@*.service"] if unit == ALL_UNITS else [unit]
     lines, err = journal.read(units, after_cursor=after_cursor, lines=0 if after_cursor else 200)
     cursor = lines[-1].cursor if lines else after_cursor

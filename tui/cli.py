@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from appliance import constants as C
-from appliance.collector import cli as V
 from appliance.errors import EXIT_BAD, EXIT_FAIL, EXIT_OK, CliError
+from appliance.views import cli as V
 
 
 def _app_class():
@@ -51,7 +51,7 @@ def cmd_tui(args: argparse.Namespace) -> int:
             app = PdctlApp(None, refresh=refresh, fleet=fleet)
         else:
             from appliance.collector import Collector
-            from appliance.config import load_plan
+            from appliance.plan.installed import load_plan
             plan = load_plan(args.config)
             slo = V.settings_value(args.config, "workload", "ttft_slo_s")
             tpot_ms = V.settings_value(args.config, "workload", "tpot_slo_ms")
@@ -94,11 +94,11 @@ def screenshot(app: Any, path: Path, size: tuple, after: float) -> int:
 
 def demo_app(stack, refresh: float):
     """The operator's TUI wired to a demo stack: twin GPU samples, no systemd, logs from the child logs."""
-    from appliance.actions import ActionResult
     from appliance.collector import Collector
     from appliance.collector.gpus import twin_sampler
     from appliance.collector.units import NoUnits
     from appliance.inventory import detect
+    from appliance.views.actions import ActionResult
     PdctlApp = _app_class()
     plan = stack.plan
     sampler = twin_sampler(state_dir=stack.workdir / "run" / "twin", inventory=detect(plan.inventory_source))

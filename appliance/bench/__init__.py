@@ -1,10 +1,7 @@
 """``pdctl bench``: measure a running stack like the seed did (open-loop Poisson, streaming, ``vllm bench
-serve`` key names), compare two runs, and predict P/D splits on the twin (what-if)."""
+serve`` key names), compare two runs, and predict P/D splits on the twin (what-if).
 
+May import: settings, policy, model, inventory, twin, plan, wire
+"""
 
-class BenchError(ValueError):
-    """Bad benchmark input (code 2) or an unreachable target (code 1): the message says what and how to fix."""
-
-    def __init__(self, msg: str, code: int = 2):
-        super().__init__(msg)
-        self.code = code
+from ..errors import BenchError  # noqa: F401  (its owner is errors.py: the what-if on the twin raises it too)

@@ -15,9 +15,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from appliance import constants as C
-from appliance.config_schema import default as _d
+from appliance.settings.schema import default as _d
 from appliance.wire.fetch import fetch
 
+from ..twin.whatif import add_what_if_flags, parse_rates, run_what_if
 from . import BenchError
 
 DEFAULT_URL = C.loopback_url(C.PROXY_PORT)
@@ -27,27 +28,14 @@ DEFAULT_RATES = "1,2,5,10"
 OVERLOAD_MULTIPLES = "0.7,1,1.5,2,4"     # issue 28's sweep: below, at and past the predicted goodput
 
 
-def parse_rates(text: str, flag: str = "--rates") -> list[float]:
-    rates = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            r = float(part)
-        except ValueError:
-            raise BenchError(f"{flag} {text!r}: {part!r} is not a number; use e.g. 1,2,5,10 (inf = all at once)") \
-                from None
-        if not r > 0 or math.isnan(r):
-            raise BenchError(f"{flag} {text!r}: {part!r} must be > 0")
-        rates.append(r)
-    if not rates:
-        raise BenchError(f"{flag} is empty; use e.g. 1,2,5,10")
-    return rates
+
 
 
 def predicted_goodput(args: argparse.Namespace) -> tuple[float, str]:
     """The plan's predicted goodput (``plan.json`` "predicted"."goodput_req_s") and where it came from;
     BenchError (exit 2) when there is no plan or no prediction, saying how to give ``--rates`` instead."""
-    from appliance.config import ConfigError, load_plan, plan_path
+    from appliance.plan.installed import load_plan, plan_path
+    from appliance.settings.config import ConfigError
     instead = "or give the rates themselves: --rates R1,R2,... (req/s)"
     try:
         plan = load_plan(args.plan)
@@ -109,7 +97,8 @@ def _endpoints(args: argparse.Namespace):
     from .kvrate import KVEndpoints, endpoints_from_plan, resolve_endpoints
     if args.kv_metrics:
         return resolve_endpoints(args.kv_metrics, None, False)
-    from appliance.config import ConfigError, load_plan
+    from appliance.plan.installed import load_plan
+    from appliance.settings.config import ConfigError
     try:
         plan = load_plan(args.plan)
     except ConfigError as exc:
@@ -182,39 +171,9 @@ async def _sweep(args: argparse.Namespace, prof, rates: list[float], multiples: 
     return summaries, meta
 
 
-def add_what_if_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
-    """What-if flags; ``pdctl plan`` can add them too (``prefix="what_if_"`` keeps its own dests apart)."""
-    p.add_argument("--rates", dest=f"{prefix}rates", default="1,2,5,10,20", help="asked req/s per split")
-    p.add_argument("--slo-ttft-p95", dest=f"{prefix}slo", type=float, default=3.5,
-                   help="TTFT p95 SLO in seconds (seed's production: 3.5)")
-    p.add_argument("--objective", dest=f"{prefix}objective", default="max-rate-under-slo",
-                   choices=("max-rate-under-slo",))
-    p.add_argument("--workload", dest=f"{prefix}profile", default="seed-p50",
-                   help="seed-p50 | seed-p95 | FILE (as pdctl bench --profile)")
-    p.add_argument("--sim-prompts", dest=f"{prefix}num_prompts", type=int, default=600,
-                   help="simulated prompts per rate (seed: 600)")
-
-
-def run_what_if(inventory, model: str, args: argparse.Namespace, prefix: str = "", tp: int = 1,
-                policy: str = "pdctl", as_json: bool = False) -> int:
-    """Simulate every P/D split of ``inventory`` and print the table (or JSON); BenchError on bad input."""
-    from appliance.twin.simulator import Workload
-    from .whatif import render, what_if
-    from .workload import load_profile
-    prof = load_profile(getattr(args, f"{prefix}profile"))
-    n = getattr(args, f"{prefix}num_prompts")
-    if n < 1:
-        raise BenchError("--sim-prompts must be >= 1")
-    w = what_if(inventory, model, Workload(prof.input_len, prof.prefix_len, prof.output_len),
-                parse_rates(getattr(args, f"{prefix}rates")), slo_ttft_p95_s=getattr(args, f"{prefix}slo"),
-                policy=policy, tp=tp, num_prompts=n, objective=getattr(args, f"{prefix}objective"))
-    print(json.dumps(w.to_json(), indent=2) if as_json else render(w))
-    return 0
-
-
 def cmd_what_if(args: argparse.Namespace) -> int:
     from appliance.inventory import InventoryError, detect
-    from appliance.models import ModelError
+    from appliance.model.profiles import ModelError
     try:
         inv = detect(args.gpus)
         return run_what_if(inv, args.wi_model, args, tp=args.wi_tp, policy=args.wi_policy, as_json=args.json)

@@ -48,7 +48,8 @@ def resolve_endpoints(flags: Sequence[str], plan_path: Optional[str], use_plan: 
         return KVEndpoints(tuple(u if "/metrics" in u else u.rstrip("/") + "/metrics" for u in flags), "flags")
     if not use_plan:
         return KVEndpoints((), "no --kv-metrics given")
-    from appliance.config import ConfigError, load_plan
+    from appliance.plan.installed import load_plan
+    from appliance.settings.config import ConfigError
     try:
         plan = load_plan(plan_path)
     except ConfigError as exc:

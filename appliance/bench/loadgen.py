@@ -11,7 +11,7 @@ bounded: ``num_prompts`` arrivals, each request's time-out, and an overall deadl
 requests still running are cancelled and counted failed.
 
 A request is *refused*, not failed, when the stack's admission turned it away: HTTP 503, 429 or 529 in
-OpenAI's error shape with the code ``server_overloaded`` (``appliance/admit.py``). A refusal is a measurement
+OpenAI's error shape with the code ``server_overloaded`` (``appliance/policy/admit.py``). A refusal is a measurement
 of the box past its capacity, so it is never retried; its ``Retry-After`` header is kept and checked (whole
 seconds, or an HTTP-date, RFC 9110 10.2.3).
 
@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from appliance.admit import OVERLOADED_CODE          # the error code of a refusal (one owner: admit.py)
-from appliance.admit import STATUSES as REFUSAL_STATUSES   # [admission] status: 503 (default), 429 or 529
+from appliance.policy.admit import OVERLOADED_CODE  # the error code of a refusal (one owner: admit.py)
+from appliance.policy.admit import STATUSES as REFUSAL_STATUSES  # [admission] status: 503 (default), 429 or 529
 from appliance.wire.client import Pool, UpstreamError
 from appliance.wire.fetch import split
 

@@ -21,8 +21,8 @@ import math
 import time
 from typing import Optional
 
-from ..config_schema import default as _d
 from ..percentiles import latency_fields, percentile, throughput_fields
+from ..settings.schema import default as _d
 from .loadgen import RunResult, retry_after_valid
 
 METRICS = ("ttft", "tpot", "itl", "e2el")

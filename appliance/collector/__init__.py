@@ -2,6 +2,8 @@
 
 ``Collector(plan, gpu_sampler=..., interval=...)`` runs the background thread (``start/stop/latest``);
 ``collect_once(plan, ...)`` takes one Snapshot for ``pdctl status``. Views only render Snapshots.
+
+May import: policy, inventory, twin, wire
 """
 from .collector import Collector, collect_once
 from .gpus import CallableSampler, GpuSampler, NoGpus, NvmlSampler, RawGpu, default_sampler, twin_sampler

@@ -1,5 +1,5 @@
 """The proxy's admission as an operator reads it: what it started, queued and refused per second over the
-window, the queue now, the queue wait p95, and the goodput beside the refusals (appliance/admit.py decides,
+window, the queue now, the queue wait p95, and the goodput beside the refusals (appliance/policy/admit.py decides,
 appliance/proxy/admission.py acts).
 
 All from the proxy's /metrics like its other counters: ``admission_total{outcome,reason,priority}`` (summed
@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Any, Union
 
 from appliance import constants as C
-from appliance.admit import ADMIT, QUEUE, REFUSE
 from appliance.inventory import NA
+from appliance.policy.admit import ADMIT, QUEUE, REFUSE
 
 from .. import metric_names as N
-from .rates import Window, quantile
 from ..wire.prom import Metrics
+from .rates import Window, quantile
 from .snapshot import Admission, Refusal
 
 VERDICT = "px:admission:"          # window series: px:admission:<outcome>:<reason>

@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Callable, Iterable, Union
 
 from appliance import constants as C
-from appliance.decide import AGGREGATE, SPLIT
 from appliance.inventory import NA
+from appliance.policy.decide import AGGREGATE, SPLIT
 
 from .. import metric_names as N
-from .rates import Window
 from ..wire.prom import Metrics
+from .rates import Window
 from .snapshot import LEG_KINDS, DecisionMix, DecisionReason, LegCounts
 
 DECISION = "px:decision:"          # window series: px:decision:<kind>:<reason>

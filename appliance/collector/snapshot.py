@@ -106,8 +106,8 @@ class KVServerStatus:
 
 @dataclass(frozen=True)
 class DecisionReason:
-    kind: str                    # appliance.decide AGGREGATE | SPLIT
-    reason: str                  # one of appliance.decide REASONS
+    kind: str                    # appliance.policy.decide AGGREGATE | SPLIT
+    reason: str                  # one of appliance.policy.decide REASONS
     count: float                 # decisions in the window
     share: float                 # of all decisions in the window, 0..1
 
@@ -127,13 +127,13 @@ class DecisionMix:
 
 @dataclass(frozen=True)
 class Refusal:
-    reason: str                  # one of appliance.admit REASONS (deadline, expired, queue_full, client_gone)
+    reason: str                  # one of appliance.policy.admit REASONS (deadline, expired, queue_full, client_gone)
     per_s: float                 # refusals for this reason per second over the window
 
 
 @dataclass(frozen=True)
 class Admission:
-    """What the proxy's admission (appliance/admit.py) did over the window: started, queued, refused (503 +
+    """What the proxy's admission (appliance/policy/admit.py) did over the window: started, queued, refused (503 +
     Retry-After before any engine saw the request), the queue now, and the goodput beside the refusals."""
     mode: Str                    # slo | queue | off (the proxy's status JSON)
     admitted_per_s: Num          # requests started per second (at arrival, or from the queue)

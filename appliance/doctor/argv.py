@@ -25,7 +25,7 @@ def flag(argv: tuple, name: str) -> Optional[str]:
 def model_of(argv: tuple, engine: str) -> Optional[str]:
     m = flag(argv, "--model")
     if m and engine == "twin":
-        from appliance.models import ModelError, resolve
+        from appliance.model.profiles import ModelError, resolve
         try:
             return resolve(m).hf_id          # the twin engine serves the registry entry's model id
         except ModelError:

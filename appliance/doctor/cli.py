@@ -10,7 +10,9 @@ from appliance.errors import EXIT_FAIL, EXIT_OK
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from appliance.config import ConfigError, load_plan
+    from appliance.plan.installed import load_plan
+    from appliance.settings.config import ConfigError
+
     from .checks import FAIL, Check, exit_code, run_doctor
     from .render import render_json, render_text
     plan = None

@@ -5,9 +5,9 @@ import re
 from typing import Any, Optional
 
 from appliance import constants as C
-from appliance.wire.prom import Metrics
-from appliance.engine_flags import ROLE_TO_KV_ROLE
 from appliance.inventory import Inventory, is_na
+from appliance.plan.engine_flags import ROLE_TO_KV_ROLE
+from appliance.wire.prom import Metrics
 
 from . import pairs
 from .argv import argv_diff, flag, kv_config, model_of, running_argv
@@ -36,7 +36,7 @@ def check_versions(plan: Any, f: Facts) -> Check:
     want = pairs.base(plan.engine_version) if plan.engine_version else ""
     if want and pairs.base(eng) != want:
         found.append(pairs.Finding(FAIL, f"the plan's argv is built for {dist} {plan.engine_version} "
-                                         f"(appliance/engine_flags.py), the venv has {eng}",
+                                         f"(appliance/plan/engine_flags.py), the venv has {eng}",
                                    f"set [install] engine_version to the installed version's flag table in "
                                    f"pdctl.toml and `sudo pdctl apply`, or reinstall the pinned set "
                                    f"(scripts/install-engines.sh {kind} {where})"))

@@ -2,4 +2,6 @@
 
 The shared KV L1 must stay on the host of its GPUs (CUDA IPC), so the unit of scale is the whole box;
 what spans boxes is routing, done by vllm-router. pdctl only plans, installs and observes it.
+
+May import: settings, plan, twin, install, wire
 """

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import constants as C
 from ..errors import EXIT_BAD, EXIT_FAIL, EXIT_OK
-from ..config_schema import default as _d
+from ..settings.schema import default as _d
 from .plan import DEFAULT_POLICY, POLICIES, FleetError, make_fleet_plan
 
 
@@ -190,8 +190,9 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_wrap(cmd_whatif))
 
-    exp = subparsers.add_parser("export", help="the plan for other platforms (llm-d on Kubernetes)")
-    esub = exp.add_subparsers(dest="export_verb", required=True, metavar="TARGET")
+
+def register_export_llmd(esub) -> None:
+    """``pdctl export llm-d`` (the export verb itself: views/export.py)."""
     p = esub.add_parser("llm-d", help="Kubernetes manifests + llm-d-modelservice values from a plan, validated")
     p.add_argument("--plan", required=True,
                    help="plan JSON (`pdctl plan --engine vllm --json`, or /etc/pdctl/plan.json)")
@@ -203,5 +204,3 @@ def register(subparsers) -> None:
                    help="image with vllm and lmcache (default %(default)s; pin a tag in production)")
     p.add_argument("--k8s-version", help="Kubernetes schema version to validate against (default: newest shipped)")
     p.set_defaults(func=_wrap(cmd_export_llmd))
-    from ..monitoring import register_export        # pdctl export prometheus (scrape config + Grafana)
-    register_export(esub)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import constants as C
-from ..plan import Plan
-from . import yamlout
+from .. import yamlout
+from ..plan.types import Plan
 from .plan import FleetError
 
 VLLM_PORT = 8000            # the port llm-d's InferencePool and sidecar expect on a pod (routing.servicePort)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import constants as C
 from ..errors import EXIT_FAIL, EXIT_OK
-from ..units import write_tree
+from ..install.units import write_tree
 from ..wire.fetch import fetch_sync
 from .plan import FleetError, FleetPlan
 from .units import render

@@ -1,4 +1,4 @@
-"""Render the front node's files: ``pd-router.service`` and ``fleet.json``, the same way ``appliance.units`` does.
+"""Render the front node's files: ``pd-router.service`` and ``fleet.json``, the same way ``appliance.install.units`` does.
 
 Pure text in, text out, so ``fleet install``, ``--dry-run`` and the tests see the same bytes.
 """
@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from .. import constants as C
-from ..resources import units_dir
-from ..units import RenderedFile, _fill
+from ..install.resources import units_dir
+from ..install.units import RenderedFile, _fill
 from .plan import FleetPlan
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config_schema import default as _d
+from ..settings.schema import default as _d
 from .plan import FleetError
 
 

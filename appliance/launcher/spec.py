@@ -1,7 +1,7 @@
 """Plan -> EngineSpec: the launcher builds nothing itself; argv, env and ports come from the Plan."""
 from __future__ import annotations
 
-from ..plan import KVServerPlan, Plan, WorkerPlan
+from ..plan.types import KVServerPlan, Plan, WorkerPlan
 from .supervise import EngineSpec, Timing, child_env
 
 # Engines that never hold real GPU memory: their units skip the NVML wait (with a log line).
@@ -43,11 +43,12 @@ class PlanError(ValueError):
 
 
 def load(path: str | None) -> Plan:
-    """The installed Plan (``plan.json``, or the one next to a given ``pdctl.toml``); see config.load_plan."""
-    from .. import config  # lazy: the launcher's own modules stay importable without the config layer
+    """The installed Plan (``plan.json``, or the one next to a given ``pdctl.toml``); see plan.installed."""
+    from ..plan.installed import load_plan  # lazy: the launcher's own modules stay importable without settings
+    from ..settings.config import ConfigError
     try:
-        return config.load_plan(path)
-    except config.ConfigError as exc:
+        return load_plan(path)
+    except ConfigError as exc:
         raise PlanError(str(exc)) from exc
     except OSError as exc:
         raise PlanError(f"{path}: cannot read the plan: {exc}") from exc

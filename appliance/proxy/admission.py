@@ -1,4 +1,4 @@
-"""The proxy's admission gate: ``appliance.admit.judge`` on live state, the bounded queue, fast refusals.
+"""The proxy's admission gate: ``appliance.policy.admit.judge`` on live state, the bounded queue, fast refusals.
 
 ``Gate.enter`` is the one step between a generation's decision and its legs. It asks ``judge`` whether the
 request starts now, waits, or is refused, with what the proxy knows of the chosen workers (legs open on them,
@@ -15,7 +15,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field, replace
 
-from .. import admit as A
+from ..policy import admit as A
 from .errors import ProxyError
 
 

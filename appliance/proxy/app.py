@@ -16,7 +16,8 @@ import time
 from collections import Counter
 
 from ..wire.server import Server
-from . import lifecycle, responses as RS, routes, warmup
+from . import lifecycle, routes, warmup
+from . import stored_responses as SR
 from .admission import Gate
 from .answers import error_body
 from .backends import Backend
@@ -48,7 +49,7 @@ class ProxyServer:
         self.policy = make_policy(cfg, self.backends, self.prefix, lambda: self.chars_per_token.value)
         self.legs = Legs(self)
         self.gate = Gate(self, cfg.admission, cfg.admission_prior)   # admission by the SLO (admission.py)
-        self.responses = RS.Homes()      # where each stored Responses API answer lives (responses.py)
+        self.responses = SR.Homes()      # where each stored Responses API answer lives (stored_responses.py)
         self.watcher = Watcher(self)
         self.started = time.monotonic()
         self.started_wall = int(time.time())

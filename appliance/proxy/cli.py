@@ -9,11 +9,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .. import admit as A
 from .. import constants as C
-from ..config_schema import default as _d
-from .routing import POLICIES
+from ..policy import admit as A
+from ..settings.schema import default as _d
 from .config import BackendSpec, ProxyConfig, from_plan
+from .routing import POLICIES
 
 
 def _hostport(value: str) -> tuple:
@@ -242,7 +242,8 @@ def main(args) -> int:
         """The config from the flags and (appliance mode) the installed plan; called again on SIGHUP."""
         plan = None
         if not (args.prefill or args.decode or args.both):
-            from ..config import load_plan, resolve
+            from ..plan.installed import load_plan
+            from ..settings.config import resolve
             plan = load_plan(args.config)
             if key_flag is None:      # the plan's (from [proxy] api_key_file), unless a flag overrides
                 key_file = plan.proxy.api_key_file or (resolve(Path(args.config)).get("proxy", "api_key_file")

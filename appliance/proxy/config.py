@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import admit as A
 from .. import constants as C
-from ..config_schema import default as _d, schema_fields
-from ..decide import Thresholds
-from ..plan import PROXY_TUNING
+from ..plan.types import PROXY_TUNING
+from ..policy import admit as A
+from ..policy.decide import Thresholds
+from ..settings.schema import default as _d
+from ..settings.schema import schema_fields
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class ProxyConfig:
     internal_host: str = C.LOOPBACK
     internal_port: int = C.PROXY_INTERNAL_PORT   # 0 = no internal listener
     policy: str = _d("proxy", "policy")      # "adaptive" | "pdctl" | "round-robin" (routing.POLICIES)
-    thresholds: Thresholds = Thresholds()    # adaptive: when to aggregate or split (appliance/decide.py)
+    thresholds: Thresholds = Thresholds()    # adaptive: when to aggregate or split (appliance/policy/decide.py)
     kv_wait_s: float = _d("proxy", "kv_wait_s")  # bounded wait for the prefill's KV store (telemetry prefillers)
     pd_min_prompt_tokens: int = _d("proxy", "pd_min_prompt_tokens")   # shorter prompts skip the P leg
     prefix_ttl_s: float = 300.0              # how long a stored prefix counts as "still in the KV server"
@@ -72,7 +73,7 @@ def _token_ids(plan) -> bool:
     """Whether the plan's engines return token ids with a stream (the flag table; the twin does)."""
     if plan.engine == "twin":
         return True
-    from ..engine_flags import flags_for
+    from ..plan.engine_flags import flags_for
     try:
         return flags_for(plan.engine_version).stream_token_ids
     except KeyError:
@@ -92,7 +93,7 @@ def admission_from_plan(p) -> dict:
 
 
 def from_plan(plan, **overrides) -> ProxyConfig:
-    """Backends, ports and knobs from an ``appliance.plan.Plan``; nothing is re-derived here."""
+    """Backends, ports and knobs from an ``appliance.plan.types.Plan``; nothing is re-derived here."""
     specs = []
     for w in plan.workers:
         tel = bool(w.env.get(C.ENV_TELEMETRY_ENDPOINT)) if isinstance(w.env, dict) else False

@@ -12,10 +12,11 @@ import json
 import time
 from dataclasses import dataclass
 
+from ..wire.client import Conn, UpstreamError
 from .errors import ProxyError, engine_refusal, unavailable, upstream_failed
 from .migrate import with_token_ids
-from .responses import PATH as RESPONSES_PATH, prefill_body as responses_prefill_body
-from ..wire.client import Conn, UpstreamError
+from .responses import PATH as RESPONSES_PATH
+from .responses import prefill_body as responses_prefill_body
 
 _P_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 
@@ -61,7 +62,7 @@ def _kv_params(raw: bytes, label: str):
     return ans.get("kv_transfer_params")
 
 
-async def _post_whole(b, path: str, data: bytes, headers: dict, timeout: float, method: str = "POST") -> tuple:
+async def post_whole(b, path: str, data: bytes, headers: dict, timeout: float, method: str = "POST") -> tuple:
     """POST (or ``method``) and read the whole answer on ``b``'s pool: (status, content type, body)."""
     conn = await b.pool.request(method, path, data, headers, timeout, b.pending)
     status, ctype = conn.status, conn.headers.get("content-type", "application/json")
@@ -190,7 +191,7 @@ class Legs:
 
         async def call(b):
             t0 = time.monotonic()
-            status, ctype, raw = await _post_whole(b, path, data, headers, timeout)
+            status, ctype, raw = await post_whole(b, path, data, headers, timeout)
             if status >= 500:
                 raise LegFailure(f"{b.label}: prefill answered HTTP {status}: {raw[:160]!r}")
             if status != 200:
@@ -271,7 +272,7 @@ class Legs:
             return min(ok, key=lambda b: b.inflight, default=None)
 
         async def call(b):
-            status, ctype, raw = await _post_whole(b, path, data, headers, timeout, method)
+            status, ctype, raw = await post_whole(b, path, data, headers, timeout, method)
             if status >= 500:
                 raise LegFailure(f"{b.label}: {path} answered HTTP {status}: {raw[:160]!r}")
             return _answered(status, raw, ctype, b, method, path.split("?")[0])

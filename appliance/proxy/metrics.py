@@ -32,7 +32,7 @@ class ProxyMetrics:
         self.kv_wait = Counter(C.PROXY_KV_WAIT, "Waits for LMCache's request_store_finished, by outcome",
                                ["outcome"], registry=r)
         self.decisions = Counter(C.PROXY_DECISIONS, "Routing decisions: aggregate (one worker) or split (P+D), "
-                                 "by reason (appliance/decide.py)", ["kind", "reason"], registry=r)
+                                 "by reason (appliance/policy/decide.py)", ["kind", "reason"], registry=r)
         self.legs = Counter(C.PROXY_LEGS, "Legs served per backend: full (aggregated request), prefill, decode",
                             ["backend", "leg"], registry=r)
         self.legs_inflight = Gauge(C.PROXY_LEGS_INFLIGHT, "Legs open per backend now, by leg kind",
@@ -44,7 +44,7 @@ class ProxyMetrics:
         self.stalls = Counter(C.PROXY_STALLS, "Engines found hung: legs open, no progress past the stall bound",
                               ["backend"], registry=r)
         self.admission = Counter(C.PROXY_ADMISSION, "Admission verdicts: admit (started), queue (waited), refuse "
-                                 "(503 + Retry-After before any engine saw it), by reason (appliance/admit.py) and "
+                                 "(503 + Retry-After before any engine saw it), by reason (appliance/policy/admit.py) and "
                                  "priority", ["outcome", "reason", "priority"], registry=r)
         self.queue_depth = Gauge(C.PROXY_QUEUE_DEPTH, "Requests waiting in the admission queue now", registry=r)
         self.queue_wait = Histogram(C.PROXY_QUEUE_WAIT, "Time a request spent in the admission queue (started or "

@@ -1,6 +1,6 @@
 """Per-request orchestration of a generation (completions, chat, Responses): validate, decide (aggregate on one
-worker or split P/D, appliance/decide.py), admit (start now, wait in the bounded queue, or refuse with 503 and
-Retry-After: admission.py, appliance/admit.py), the P leg and the bounded wait for LMCache's "stored" signal, the D leg,
+worker or split P/D, appliance/policy/decide.py), admit (start now, wait in the bounded queue, or refuse with 503 and
+Retry-After: admission.py, appliance/policy/admit.py), the P leg and the bounded wait for LMCache's "stored" signal, the D leg,
 then the answer as a whole or streamed (relay.py, which continues a broken stream elsewhere). ``s`` is the
 ProxyServer: the state every route shares.
 """
@@ -10,10 +10,12 @@ import asyncio
 import json
 import time
 
-from ..admit import Ask
-from ..decide import AGGREGATE, R_ENGINE_STATE, R_NO_PREFILLER, SPLIT
+from ..policy.admit import Ask
+from ..policy.decide import AGGREGATE, R_ENGINE_STATE, R_NO_PREFILLER, SPLIT
 from ..wire.server import Request, Response
-from . import migrate, responses as RS, utility_routes
+from . import migrate, utility_routes
+from . import responses as RS
+from . import stored_responses as SR
 from .answers import authorized, client_request_id, error_response
 from .errors import UNAUTHORIZED, ProxyError, bad_request
 from .legs import DecodeStream, Passthrough, PrefillResult, decode_body
@@ -69,7 +71,7 @@ async def _serve(s, request, parsed, path: str, kind: str, t0: float, crid):
     echo = crid or rid
     chars = len(parsed.prompt_text)
     tokens = parsed.prompt_tokens_est if parsed.tokens_exact else s.chars_per_token.estimate(chars)
-    held = await RS.held_by(s, parsed.body, rid) if kind == RESPONSES else None
+    held = await SR.held_by(s, parsed.body, rid) if kind == RESPONSES else None
     rt = s.policy.route(parsed.prompt_text, tokens) if held is None else \
         Route(AGGREGATE, R_ENGINE_STATE, None, held.backend, tokens)
     ticket = None
@@ -144,7 +146,7 @@ async def _legs(s, request, parsed, path, kind, t0, echo, rid, chars, held, rt, 
     d = await s.legs.decode(path, data, rid, aff, parsed.stream, rt.decode, "full" if skip else "decode",
                                rt.uncached if skip else 0, chars, exclude=held.others if held else frozenset())
     if kind == RESPONSES:
-        RS.served(s, parsed.body, rid, d)
+        SR.served(s, parsed.body, rid, d)
     if isinstance(d, DecodeStream):
         s.gate.observe_first(ticket, pr.backend if isinstance(pr, PrefillResult) else d.backend)
     if (skip and isinstance(d, DecodeStream) and d.backend.spec.role in STORING_ROLES

@@ -1,11 +1,12 @@
-"""The Responses API (``POST /v1/responses``) through the same per-request decision as chat, and the state an
-engine keeps for it.
+"""The Responses API (``POST /v1/responses``) as an adapter at the two ends of the chat pipeline: what comes in
+(``input_text``, the P leg's body) and what goes out (response ids, the stream's dialect). Pure translation: it
+imports no leg, no route and no server state (the engines that hold stored responses: stored_responses.py).
 
 Split or aggregated like chat: the P leg is the same request made to stop after one output token
 (``max_output_tokens: 1``), not streamed and not stored, under our request id so LMCache's store telemetry
 matches it; the D leg is the client's request. What this module adds:
 
-- **Engine-held state.** With ``VLLM_ENABLE_RESPONSES_API_STORE`` (``[plan] responses_store``) an engine keeps
+- **Engine-held state** (stored_responses.py). With ``VLLM_ENABLE_RESPONSES_API_STORE`` (``[plan] responses_store``) an engine keeps
   every stored response in its own memory; nothing else can answer for it. A request that names a
   ``previous_response_id`` is therefore never split: it runs whole on the one engine that holds that
   response (``engine_state`` decision), and ``GET /v1/responses/{id}`` / ``POST .../cancel`` go there too.
@@ -20,11 +21,8 @@ matches it; the D leg is the client's request. What this module adds:
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import time
-from collections import OrderedDict
 
 from .errors import ProxyError, bad_request
 
@@ -116,84 +114,6 @@ def with_response_id(data: bytes, body: dict, rid: str) -> bytes:
         return data
     i = data.find(b"{")
     return data[:i + 1] + b'"request_id":"resp_' + rid.encode() + b'",' + data[i + 1:] if i >= 0 else data
-
-
-# ----- where stored responses live --------------------------------------------------------------------
-class Homes:
-    """Response id -> the engine that holds it, for the responses this proxy served (bounded, oldest out)."""
-
-    def __init__(self, max_entries: int = 100_000):
-        self.max_entries = max_entries
-        self._at: OrderedDict = OrderedDict()
-        self.probes = 0              # ids looked for on every engine (not in the map)
-
-    def record(self, rid: str, backend) -> None:
-        self._at[rid] = backend
-        self._at.move_to_end(rid)
-        while len(self._at) > self.max_entries:
-            self._at.popitem(last=False)
-
-    def get(self, rid: str):
-        return self._at.get(rid)
-
-    def __len__(self) -> int:
-        return len(self._at)
-
-
-async def locate(server, resp_id: str, rid: str):
-    """The engine that holds ``resp_id``: the map, else the first engine that answers 200 to
-    ``GET /v1/responses/{id}`` (asked of every engine whose breaker allows it). None: none holds it."""
-    homes = server.responses
-    b = homes.get(resp_id)
-    if b is not None:
-        return b
-    homes.probes += 1
-    now = time.monotonic()
-    cands = [b for b in server.backends if b.breaker.allows(now)]
-    from .legs import _post_whole          # one request helper for every leg (legs imports this module)
-    headers = server.legs.headers(rid)
-    timeout = server.cfg.connect_timeout_s + 5.0
-
-    async def holds(b) -> bool:
-        try:
-            status, _, _ = await _post_whole(b, f"{PATH}/{resp_id}", b"", headers, timeout, "GET")
-        except Exception:  # noqa: BLE001 - an engine that cannot answer does not hold it (for this request)
-            return False
-        return status == 200
-
-    found = await asyncio.gather(*(holds(b) for b in cands))
-    for b, ok in zip(cands, found):
-        if ok:
-            homes.record(resp_id, b)
-            return b
-    return None
-
-
-class Held:
-    """A request that must run whole on one engine: the engine that holds its state (None: none was found,
-    so any one engine answers, with its own 404), and why."""
-    __slots__ = ("backend", "reason", "others")
-
-    def __init__(self, backend, reason: str, backends):
-        self.backend, self.reason = backend, reason
-        self.others = frozenset(b for b in backends if b is not backend) if backend is not None else frozenset()
-
-
-async def held_by(server, body: dict, rid: str) -> Held | None:
-    """None when the request may be split; else where it must run whole (``previous_response_id``)."""
-    prev = body.get("previous_response_id")
-    if not prev:
-        return None
-    return Held(await locate(server, prev, rid), "previous_response_id", server.backends)
-
-
-def served(server, body: dict, rid: str, answer) -> None:
-    """Remember which engine holds an answer it may have stored (``store`` is true unless the client said no)."""
-    if body.get("store") is False or getattr(answer, "backend", None) is None:
-        return
-    if getattr(answer, "status", 200) != 200:
-        return
-    server.responses.record(response_id(body, rid), answer.backend)
 
 
 # ----- the stream ---------------------------------------------------------------------------------------

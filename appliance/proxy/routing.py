@@ -5,7 +5,7 @@ scraped running/waiting/KV usage) with affinity (``X-Session-Id`` or the first p
 preferred decoder is not much busier than the least busy one (bounded-load rendezvous hashing).
 ``round-robin``: the seed's baseline, round-robin over each pool, never skips the P leg.
 ``adaptive`` (the default): per request, aggregate on one worker or split P/D, from live load, by the
-one pure rule in ``appliance/decide.py`` (the twin's simulator imports the same function).
+one pure rule in ``appliance/policy/decide.py`` (the twin's simulator imports the same function).
 
 Every policy answers ``route(prompt_text, prompt_tokens) -> Route``: the decision (kind, reason) and,
 for ``adaptive``, the chosen backends; the legs fall back to ``pick_prefill`` / ``pick_decode`` when a
@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from .. import constants as C
-from .. import decide as D
+from ..policy import decide as D
 
 CHUNK_CHARS = C.LMCACHE_CHUNK_TOKENS * 4      # ~ one LMCache chunk of text (about 4 characters per token)
 AFFINITY_SLACK = 2.0                           # preferred decoder kept while load <= least + max(slack, 25 %)
@@ -157,7 +157,7 @@ class PdctlPolicy(RoundRobin):
 
 
 class AdaptivePolicy(PdctlPolicy):
-    """Aggregate or split per request from live load (``appliance.decide``); soft roles: a ``both`` worker
+    """Aggregate or split per request from live load (``appliance.policy.decide``); soft roles: a ``both`` worker
     serves whole requests, P legs and D legs."""
     name = "adaptive"
 

@@ -9,7 +9,7 @@
 - ``GET /v1/models/{id}``: vLLM (0.32) serves only the list, so the proxy answers from what the engines
   report on ``GET /v1/models`` (the same card as the list), or 404 ``model_not_found``.
 - ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: sent to the engine that holds the stored
-  response (responses.locate), never to another.
+  response (stored_responses.locate), never to another.
 """
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import asyncio
 import json
 from urllib.parse import unquote
 
+from ..wire.server import Response
 from . import responses as RS
+from . import stored_responses as SR
 from .answers import authorized, client_request_id, error_response
 from .errors import UNAUTHORIZED, ProxyError, bad_request
-from ..wire.server import Response
 from .telemetry import new_request_id
 
 DETOKENIZE, VERSION = "/detokenize", "/version"
@@ -151,7 +152,7 @@ async def _stored(server, request, resp_id: str, suffix: str):
         return error_response(bad_request("streamed retrieval (stream=true) of a background response is not served "
                                   "through the proxy; poll GET /v1/responses/{id} without stream",
                                   param="stream", code="unsupported"), rid)
-    home = await RS.locate(server, resp_id, rid)
+    home = await SR.locate(server, resp_id, rid)
     path = f"{RS.PATH}/{resp_id}{suffix}" + (f"?{query}" if query and not suffix else "")
     method = "POST" if suffix else "GET"
     only = None if home is None else (home,)     # nobody holds it: any one engine answers (its own 404)

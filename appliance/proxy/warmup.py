@@ -16,10 +16,10 @@ import asyncio
 import json
 import logging
 
-from .breaker import CLOSED
-from .legs import _post_whole
-from .telemetry import new_request_id
 from ..wire.client import UpstreamError
+from .breaker import CLOSED
+from .legs import post_whole
+from .telemetry import new_request_id
 
 log = logging.getLogger("pdctl.proxy")
 PRODUCERS = ("prefill", "both")
@@ -47,7 +47,7 @@ async def _one(server, b, prompt: str, model: str, rid: str) -> bool:
         headers["Authorization"] = "Bearer " + server.cfg.backend_api_key
     b.prompt_chars_sent += len(prompt)     # keep the chars-per-token calibration honest (tokens.py)
     try:
-        status, _, raw = await _post_whole(b, "/v1/completions", body, headers,
+        status, _, raw = await post_whole(b, "/v1/completions", body, headers,
                                            min(TIMEOUT_S, server.cfg.prefill_timeout_s))
     except UpstreamError as e:
         log.info("KV warm-up of %s failed: %s", b.label, e)

@@ -9,8 +9,8 @@ import math
 import sys
 
 from appliance import constants as C
-from appliance.config_schema import default as _d
-from appliance.models import ModelError
+from appliance.model.profiles import ModelError
+from appliance.settings.schema import default as _d
 
 from .hardware import PROFILES, HardwareError
 from .params import SETUPS as SETUP_NAMES
@@ -92,7 +92,7 @@ def register(subparsers) -> None:
     s.add_argument("--policy", choices=("round-robin", "pdctl", "adaptive"),   # simulator.POLICIES
                    default="round-robin",
                    help="round-robin (the seed's proxy), pdctl (the first round's skip rule) or adaptive (what "
-                        "pdctl plans: appliance/decide.py per request)")
+                        "pdctl plans: appliance/policy/decide.py per request)")
     s.add_argument("--skip-uncached-max", type=int, default=512,
                    help="pdctl policy: skip the P leg when at most this many prompt tokens are uncached")
     s.add_argument("--kv-size-gb", type=float, default=80.0)

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from appliance.config_schema import default as _d
-from appliance.models import ModelProfile
+from appliance.model.profiles import ModelProfile
+from appliance.settings.schema import default as _d
 
 from .hardware import Hardware
 from .params import CostParams

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Optional
 
 from appliance import constants as C
-from appliance.config_schema import default as _d
-from appliance.models import resolve as resolve_model
+from appliance.model.profiles import resolve as resolve_model
+from appliance.settings.schema import default as _d
 
+from ..wire.client import Pool
+from ..wire.fetch import fetch, split
 from . import gpus, kvpath, tokens
 from .core import EngineCore, HostLink, Seq
 from .costmodel import CostModel, CostParams, EngineConfig
@@ -33,8 +35,6 @@ from .engine_metrics import EngineMetrics
 from .faults import Fault
 from .hardware import resolve as resolve_hw
 from .kvclient import KVClient
-from ..wire.client import Pool
-from ..wire.fetch import fetch, split
 
 log = logging.getLogger("pdctl.twin.engine")
 VLLM_VERSION = "0.33.0"

@@ -1,12 +1,12 @@
 """Where admission's learnt service rates start on a GPU the twin knows: its cost model, read for one request shape.
 
-The proxy learns each worker's TTFT and TPOT lines online (``appliance.admit.WorkerRates``); this prior only keeps
+The proxy learns each worker's TTFT and TPOT lines online (``appliance.policy.admit.WorkerRates``); this prior only keeps
 its first predictions sane until a few requests have been seen. The planner writes it into the plan (``"admission
 _prior"``) and the simulator starts every engine from it, so both begin where the twin's physics says.
 """
 from __future__ import annotations
 
-from ..admit import Prior
+from ..policy.admit import Prior
 from .costmodel import CostModel
 from .workloads import Mix
 
@@ -33,7 +33,8 @@ def prior_for_gpu(gpu_name: str, model, work, tp: int = 1) -> dict:
     """The prior as plan.json carries it, for a GPU by its NVML name and the planner's Workload; the generic
     prior (``admit.Prior()``) where the twin has no profile for the GPU or the model."""
     from .costmodel import EngineConfig
-    from .hardware import HardwareError, resolve as resolve_hw
+    from .hardware import HardwareError
+    from .hardware import resolve as resolve_hw
     from .params import CostParams
     from .workloads import Workload as SimWorkload
     try:

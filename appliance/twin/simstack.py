@@ -6,7 +6,7 @@ their host links and prefix cache), the KV server's chunk store, and the proxy c
 (``EventLoop``); the prefill and decode legs (``PrefillLeg``, ``DecodeLeg``) are the engines' payloads and
 carry each request from leg to leg. simulator.py draws the arrivals and summarises the finished requests.
 
-With ``adaptive`` and an admission policy (``appliance.admit``, the proxy's own rule) a request is started, held
+With ``adaptive`` and an admission policy (``appliance.policy.admit``, the proxy's own rule) a request is started, held
 in the proxy's queue or refused at arrival, exactly as the live proxy does it: the same ``judge``, the same
 learners fed with model time (each engine's TTFT and TPOT lines start from the cost model's prior,
 ``prior.prior_for``), the same queue order.
@@ -20,14 +20,14 @@ from typing import Callable, Optional, Sequence
 
 from appliance.constants import LMCACHE_CHUNK_TOKENS
 
+from ..policy import admit as A
+from ..policy.decide import AGGREGATE, R_STATIC, SPLIT, Thresholds, WorkerLoad, decide
 from . import kvpath
 from .core import EngineCore, HostLink, Seq
 from .costmodel import CostModel
 from .kvstore import ChunkStore
 from .prior import prior_for
 from .workloads import Mix, Workload
-from .. import admit as A
-from ..decide import AGGREGATE, R_STATIC, SPLIT, Thresholds, WorkerLoad, decide
 
 
 @dataclass(frozen=True)

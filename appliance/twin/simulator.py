@@ -35,17 +35,22 @@ import math
 import random
 from typing import Optional, Sequence
 
-from appliance.config_schema import default as _d
-from appliance.models import ModelProfile, resolve as resolve_model
+from appliance.model.profiles import ModelProfile
+from appliance.model.profiles import resolve as resolve_model
+from appliance.settings.schema import default as _d
 
+from ..percentiles import (
+    latency_fields,
+    percentile,  # noqa: F401  (re-exported: tests read it here)
+    throughput_fields,
+)
+from ..policy.admit import Policy as AdmissionPolicy
+from ..policy.decide import Thresholds
 from .costmodel import CostModel, CostParams, EngineConfig
-from .hardware import Hardware, resolve as resolve_hw
+from .hardware import Hardware
+from .hardware import resolve as resolve_hw
 from .simstack import PolicyConfig, SimRequest, SimStack
 from .workloads import Mix, SimError, Workload  # noqa: F401  (re-exported: the simulator's inputs)
-from ..admit import Policy as AdmissionPolicy
-from ..decide import Thresholds
-from ..percentiles import latency_fields, throughput_fields
-from ..percentiles import percentile  # noqa: F401  (re-exported: tests read it here)
 
 GB = 1e9
 POLICIES = ("round-robin", "pdctl", "adaptive")

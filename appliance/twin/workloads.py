@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from appliance.config_schema import default as _d
+from appliance.settings.schema import default as _d
 
 
 class SimError(ValueError):

@@ -52,7 +52,7 @@ def refused(e: BaseException | None) -> bool:
 
 async def read_to_end(read, timeout_s: float | None, limit: int) -> bytes:
     """The rest of a body from ``read(timeout_s)`` (b"" at its end), refusing one larger than ``limit`` bytes.
-    Shared with the benchmarks' library-backed connections (benchmarks/wire_clients.py)."""
+    Shared with the benchmarks' library-backed connections (benchmarks/wire_choice.py)."""
     out = bytearray()
     while True:
         d = await read(timeout_s)

@@ -20,7 +20,7 @@ import socket
 from collections import Counter
 from dataclasses import dataclass
 
-from ..config_schema import SCHEMA, schema_fields
+from ..settings.schema import SCHEMA, schema_fields
 from .http1 import Connection, Request, Response
 
 __all__ = ["Limits", "Server", "Request", "Response"]

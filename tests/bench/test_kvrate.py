@@ -54,7 +54,7 @@ async def test_probe_reads_a_moving_endpoint_and_reports_a_dead_one(standin):
 
 
 def test_endpoints_from_an_installed_plan(tmp_path):
-    from appliance.config import load_plan
+    from appliance.plan.installed import load_plan
     plan = {"mode": "disaggregated", "engine": "twin", "engine_version": "", "model": "m", "served_model_name": "m",
             "tp": 1, "reasons": [],
             "workers": [{"instance": "prefill-0", "role": "prefill", "gpus": [0], "port": 18100, "argv": ["x"],

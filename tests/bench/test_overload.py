@@ -16,7 +16,7 @@ from appliance.bench.loadgen import RequestResult, RunResult, retry_after_valid,
 from appliance.bench.report import compare, table
 from appliance.bench.stats import brief, goodput, summarize
 from appliance.bench.workload import TWIN_APPROX, PromptFactory, load_profile
-from appliance.localproc import free_port, wait_http
+from appliance.stack.localproc import free_port, wait_http
 
 from .conftest import REPO
 from .test_cli import run_main

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from appliance.localproc import free_port, stop_all, wait_http
+from appliance.stack.localproc import free_port, stop_all, wait_http
 
 from .conftest import REPO, pdctl
 

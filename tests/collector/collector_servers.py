@@ -6,7 +6,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from appliance.plan import Plan
+from appliance.plan.types import Plan
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

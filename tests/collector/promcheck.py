@@ -12,7 +12,7 @@ from typing import Callable
 
 import promql_parser
 
-from appliance import monitoring
+from appliance.views import monitoring
 
 GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "${datasource}": "prom"}
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),

@@ -8,12 +8,12 @@ import json
 import pytest
 from collector_servers import make_plan, proxy_metrics
 
-from appliance.admit import ADMIT, QUEUE, R_DEADLINE, R_EXPIRED, R_GONE, R_IDLE, R_QUEUE_FULL, R_ROOM, R_TTFT, REFUSE
+from appliance.policy.admit import ADMIT, QUEUE, R_DEADLINE, R_EXPIRED, R_GONE, R_IDLE, R_QUEUE_FULL, R_ROOM, R_TTFT, REFUSE
 from appliance.collector import derive as D
 from appliance.collector.endpoints import Endpoints
 from appliance.collector.rates import Window
 from appliance.inventory import NA, is_na
-from appliance.status import admission_text, na_notes, refusals_text, render_json, render_text
+from appliance.views.status import admission_text, na_notes, refusals_text, render_json, render_text
 from appliance.wire.client import REFUSED
 from appliance.wire.fetch import Reply
 

@@ -7,9 +7,9 @@ import pytest
 from collector_servers import ManualClock, lmcache_metrics, make_plan, proxy_metrics, vllm_metrics
 
 from appliance.collector import Collector, NoGpus, NoUnits
-from appliance.decide import AGGREGATE, R_FEW_UNCACHED, R_LONG_UNCACHED, R_PREFILL_BUSY, SPLIT
+from appliance.policy.decide import AGGREGATE, R_FEW_UNCACHED, R_LONG_UNCACHED, R_PREFILL_BUSY, SPLIT
 from appliance.inventory import is_na
-from appliance.status import decisions_text, legs_text, na_notes, render_json, render_text
+from appliance.views.status import decisions_text, legs_text, na_notes, render_json, render_text
 
 AGG_FEW, AGG_BUSY, SPLIT_LONG = (AGGREGATE, R_FEW_UNCACHED), (AGGREGATE, R_PREFILL_BUSY), (SPLIT, R_LONG_UNCACHED)
 
@@ -154,7 +154,7 @@ def test_status_says_why_the_mix_is_na(box):
 
 
 def test_a_share_too_small_to_round_still_shows():
-    from appliance.status import share
+    from appliance.views.status import share
     assert (share(0.004), share(0.0), share(0.996), share(1.0)) == ("<1%", "0%", "100%", "100%")
 
 

@@ -16,7 +16,7 @@ import pytest
 from appliance.collector import Collector
 from appliance.collector.gpus import NoGpus
 from appliance.collector.units import NoUnits
-from appliance.config import load_plan
+from appliance.plan.installed import load_plan
 from appliance.inventory import is_na
 
 REPO = Path(__file__).resolve().parents[2]

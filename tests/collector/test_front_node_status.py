@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from appliance.stack import start_twin_stack
+from appliance.stack.twin_stack import start_twin_stack
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from collector_servers import lmcache_metrics, make_plan, proxy_metrics, vllm_metrics
 
-from appliance import journal
-from appliance.actions import run_unit_action, unit_action_argv
+from appliance.views import journal
+from appliance.views.actions import run_unit_action, unit_action_argv
 from appliance import metric_names as N
 from appliance.collector.rates import quantile
 from appliance.collector.units import SystemctlUnits, parse_show, show_argv

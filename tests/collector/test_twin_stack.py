@@ -15,8 +15,8 @@ import pytest
 
 from appliance.collector import Collector, NoUnits, twin_sampler
 from appliance.inventory import detect, is_na
-from appliance.plan import Plan
-from appliance.status import render_text
+from appliance.plan.types import Plan
+from appliance.views.status import render_text
 
 ROOT = Path(__file__).resolve().parents[2]
 

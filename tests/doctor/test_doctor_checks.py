@@ -15,10 +15,10 @@ from appliance.doctor import checks as K
 from appliance.doctor import pairs
 from appliance.doctor.host import parse_cpulist, sysfs_bdf
 from appliance.doctor.probe import KVFacts, Facts, Proc, WorkerFacts
-from appliance.engine_flags import ENGINE_VERSIONS
+from appliance.plan.engine_flags import ENGINE_VERSIONS
 from appliance.inventory import NA, detect
-from appliance.models import resolve as resolve_model
-from appliance.planner import Overrides, Workload, make_plan
+from appliance.model.profiles import resolve as resolve_model
+from appliance.plan.planner import Overrides, Workload, make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 

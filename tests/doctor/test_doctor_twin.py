@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.stack import Stack, start_twin_stack, twin_plan
+from appliance.stack.twin_stack import Stack, start_twin_stack, twin_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK_NAMES = ["engine versions", "kv server", "workers", "kv connector", "model string", "block/chunk size",

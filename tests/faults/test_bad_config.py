@@ -85,7 +85,7 @@ def tree(root: Path) -> dict:
 
 
 def _param(c: tuple):
-    marks = [pytest.mark.xfail(strict=True, reason="gap in appliance/config.py validation: " + c[3])] if len(c) > 3 \
+    marks = [pytest.mark.xfail(strict=True, reason="gap in appliance/settings/config.py validation: " + c[3])] if len(c) > 3 \
         else []
     return pytest.param(c[1], c[2], id=c[0], marks=marks)
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 
-from appliance.stack import Stack, twin_plan
+from appliance.stack.twin_stack import Stack, twin_plan
 from tests.waits import read_to_close
 
 PROMPT = "hello " * 20

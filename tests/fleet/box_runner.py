@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from appliance.stack import Stack, twin_plan  # noqa: E402
+from appliance.stack.twin_stack import Stack, twin_plan  # noqa: E402
 
 
 def run(wd: Path, gpus: str, time_scale: float) -> int:

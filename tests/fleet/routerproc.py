@@ -9,8 +9,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from appliance.localproc import free_port  # noqa: F401  (re-exported for the fleet tests)
-from appliance.localproc import wait_http as _wait_http
+from appliance.stack.localproc import free_port  # noqa: F401  (re-exported for the fleet tests)
+from appliance.stack.localproc import wait_http as _wait_http
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:

@@ -10,8 +10,8 @@ from appliance.cli import main
 from appliance.fleet.export_llmd import ExportOptions, build, validate, values_as_pods
 from appliance.fleet.plan import FleetError
 from appliance.inventory import detect
-from appliance.models import resolve
-from appliance.planner import Overrides, Workload, make_plan
+from appliance.model.profiles import resolve
+from appliance.plan.planner import Overrides, Workload, make_plan
 
 kv = pytest.importorskip("kubernetes_validate")
 yaml = pytest.importorskip("yaml")
@@ -124,7 +124,7 @@ def test_yaml_writer_round_trips_any_json_shape():
     """Every exported byte goes through the small YAML writer: it must read back exactly (PyYAML reads it)."""
     from hypothesis import example, given, settings, strategies as st
 
-    from appliance.fleet.yamlout import dump, dump_all
+    from appliance.yamlout import dump, dump_all
     scalars = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=12)
     keys = st.text(min_size=1, max_size=8) | st.sampled_from(["llm-d.ai/role", "yes", "null", "a b", "0x1"])
     tree = st.recursive(scalars, lambda ch: st.lists(ch, max_size=4) | st.dictionaries(keys, ch, max_size=4),

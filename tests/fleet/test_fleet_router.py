@@ -14,7 +14,7 @@ import pytest
 from appliance import constants as C
 from appliance.cli import main
 from appliance.fleet.plan import Node, make_fleet_plan
-from appliance.stack import Stack, twin_plan
+from appliance.stack.twin_stack import Stack, twin_plan
 
 from .routerproc import free_port, per_worker, metrics, start_router, stop, wait_http, write_json
 

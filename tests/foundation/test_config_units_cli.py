@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import config
+from appliance.settings import config
 from appliance.inventory import InventoryError, detect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,8 +88,8 @@ def test_precedence_and_sources(tmp_path):
 
 
 def test_workload_peak_rate_reaches_the_planner(tmp_path):
-    from appliance.plan_settings import planner_inputs
-    from appliance.planner import Workload
+    from appliance.plan.from_settings import planner_inputs
+    from appliance.plan.planner import Workload
     assert Workload().peak_rate == 60.0 == config.resolve(tmp_path / "none.toml", env={}).get("workload", "peak_rate")
     s = config.resolve(write(tmp_path, "schema_version = 1\n[workload]\npeak_rate = 90\n"), env={})
     assert planner_inputs(s)[0].peak_rate == 90.0
@@ -192,10 +192,10 @@ def test_units_verify_and_security(rendered, tmp_path):
 
 
 def test_affected_units_only_what_changed(tmp_path):
-    from appliance import units as U
+    from appliance.install import units as U
     from appliance.inventory import detect as d
-    from appliance.models import resolve
-    from appliance.planner import Overrides, make_plan
+    from appliance.model.profiles import resolve
+    from appliance.plan.planner import Overrides, make_plan
     a = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=100, prefill=1, decode=3))
     b = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=200, prefill=1, decode=3))
     same = U.render(a, "x")
@@ -219,7 +219,7 @@ def test_affected_units_only_what_changed(tmp_path):
 
 
 def test_env_quote():
-    from appliance.units import env_file
+    from appliance.install.units import env_file
     text = env_file({"A": 'x"y$z\\'})
     assert text.splitlines()[1] == 'A="x\\"y\\$z\\\\"'
     with pytest.raises(ValueError):
@@ -283,10 +283,10 @@ def test_plan_what_if_agrees_with_the_plans_prediction():
 def test_renderer_refuses_multiline_values():
     """Defense in depth behind the settings validation: no value can end a unit line and add a directive."""
     from dataclasses import replace
-    from appliance import units as U
+    from appliance.install import units as U
     from appliance.inventory import detect as d
-    from appliance.models import resolve
-    from appliance.planner import make_plan
+    from appliance.model.profiles import resolve
+    from appliance.plan.planner import make_plan
     plan = make_plan(d("fake:2xH200"), resolve("deepseek-v2-lite"))
     bad = replace(plan, served_model_name="m\nExecStartPre=+/bin/sh -c id")
     with pytest.raises(ValueError, match="spans lines"):
@@ -294,7 +294,7 @@ def test_renderer_refuses_multiline_values():
 
 
 def test_access_check_names_what_the_service_user_cannot_reach():
-    from appliance.pathcheck import cannot_reach, tree_cannot_reach
+    from appliance.install.pathcheck import cannot_reach, tree_cannot_reach
     base = Path(tempfile.mkdtemp(dir="/var/cache"))   # not under /tmp: that one is hidden from the units
     try:
         base.chmod(0o755)
@@ -323,7 +323,7 @@ def test_access_check_names_what_the_service_user_cannot_reach():
 
 def test_hidden_dirs_match_the_units_sandbox():
     """pathcheck's list of hidden directories is what units/hardening.inc really sets."""
-    from appliance.pathcheck import HIDDEN_BY_UNITS
+    from appliance.install.pathcheck import HIDDEN_BY_UNITS
     inc = (Path(__file__).resolve().parents[2] / "units" / "hardening.inc").read_text().splitlines()
     for setting in set(HIDDEN_BY_UNITS.values()):
         assert setting in inc, setting

@@ -1,5 +1,8 @@
-"""Import direction: appliance/ (the UI-free core) never imports tui/, and appliance's modules import each
-other without cycles, except the few listed below with the reason each is still there.
+"""Import direction: appliance/ (the UI-free core) never imports tui/; appliance's modules import each other
+without any cycle; and the rooms (appliance's packages, one per stage of the data walk) import only the rooms
+their ``__init__`` docstring names on its ``May import:`` line, plus the shared leaves (the top-level modules),
+so the rooms form one direction: settings -> policy/model/inventory/wire -> twin -> plan -> install/proxy/... ->
+views -> cli.
 
 Every import counts, function-level ones too (a lazy import still runs, and still ties the two modules
 together); only imports under ``if TYPE_CHECKING:`` are left out of the cycle check, since they never run.
@@ -15,19 +18,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# module-level cycles that exist today, each with why it is not cut here; a cycle not listed fails the test,
-# and so does an entry whose cycle is gone (delete it then)
-ALLOWED_CYCLES = {
-    frozenset({"appliance.planner", "appliance.families"}):
-        "planner imports families at its end, families imports planner's Overrides/Workload/PlanError; cut "
-        "when planner's dataclasses move to a leaf module (issue 22, the planner split)",
-    frozenset({"appliance.proxy.legs", "appliance.proxy.migrate", "appliance.proxy.responses",
-               "appliance.proxy.validate"}):
-        "function-level imports between the proxy's leg helpers and the Responses API handler; cut by the "
-        "proxy's split along routes / PD orchestration (issue 22 item 2)",
-}
-
 
 def modules(root: Path, package: str) -> dict:
     """{dotted name: (path, is_package)} for every .py file under root/package."""
@@ -141,12 +131,55 @@ def test_the_core_never_imports_the_ui():
     assert ui_imports(ROOT) == []
 
 
-def test_no_import_cycle_in_appliance_beyond_the_listed_ones():
-    found = {frozenset(c) for c in cycles(import_graph(ROOT))}
-    new = [sorted(c) for c in found - ALLOWED_CYCLES.keys()]
-    gone = [sorted(c) for c in ALLOWED_CYCLES.keys() - found]
-    assert new == [], f"import cycles in appliance/: {new} (cut them: a leaf module both sides import)"
-    assert gone == [], f"these allowed cycles are gone: delete them from ALLOWED_CYCLES: {gone}"
+def test_no_import_cycle_in_appliance():
+    found = cycles(import_graph(ROOT))
+    assert found == [], f"import cycles in appliance/: {found} (cut them: a leaf module both sides import)"
+
+
+ENTRY = {"appliance", "appliance.cli", "appliance.__main__"}     # the package and the dispatcher: import anything
+
+
+def rooms(root: Path) -> dict:
+    """{room: set of rooms it may import}, read from each package's ``May import:`` docstring line."""
+    out = {}
+    for init in sorted((root / "appliance").glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        lines = [ln for ln in doc.splitlines() if ln.startswith("May import:")]
+        assert len(lines) == 1, f"{init.relative_to(root)}: its docstring needs one 'May import:' line"
+        names = lines[0].split(":", 1)[1].strip()
+        out[init.parent.name] = set() if names.startswith("(") else {n.strip() for n in names.split(",")}
+    return out
+
+
+def room_violations(root: Path) -> list:
+    """'a.b imports c.d' for each import that crosses rooms against the declared directions, or a shared leaf
+    (top-level module) that imports a room."""
+    allowed = rooms(root)
+    unknown = {r: deps - allowed.keys() for r, deps in allowed.items() if deps - allowed.keys()}
+    assert not unknown, f"'May import:' names rooms that do not exist: {unknown}"
+    out = []
+    for m, deps in import_graph(root).items():
+        if m in ENTRY:
+            continue
+        src = m.split(".")[1]
+        for d in deps:
+            dst = d.split(".")[1] if d.count(".") else None
+            if dst is None or dst == src or d in ENTRY:
+                continue
+            if dst not in allowed:              # a shared leaf: every room may import it
+                continue
+            if src not in allowed or dst not in allowed[src]:
+                out.append(f"{m} imports {d}")
+    return sorted(out)
+
+
+def test_the_rooms_import_only_in_their_declared_direction():
+    assert room_violations(ROOT) == []
+    declared = rooms(ROOT)
+    assert cycles({r: deps for r, deps in declared.items()}) == [], "the declared room directions have a cycle"
+    leaves = sorted(p.stem for p in (ROOT / "appliance").glob("*.py") if p.stem not in ("__init__", "__main__", "cli"))
+    assert leaves == ["constants", "errors", "metric_names", "percentiles", "sdnotify", "yamlout"], \
+        "the top level keeps only the entry and the shared leaves: put a new module in its room"
 
 
 def test_the_dispatcher_is_imported_by_no_verb_module():
@@ -154,7 +187,7 @@ def test_the_dispatcher_is_imported_by_no_verb_module():
     graph = import_graph(ROOT)
     assert sorted(m for m, deps in graph.items() if "appliance.cli" in deps) == ["appliance.__main__"]
     assert graph["appliance.errors"] == set()
-    assert "appliance.cli" not in graph["appliance.cliargs"] | graph["appliance.install"]
+    assert "appliance.cli" not in graph["appliance.settings.cliargs"] | graph["appliance.install.cli"]
 
 
 def _plant(tmp_path: Path, files: dict) -> Path:
@@ -182,6 +215,22 @@ def test_the_guards_see_planted_violations(tmp_path):
     assert ui_imports(root) == ["appliance/view.py:2 imports tui.app", "appliance/view.py:3 imports tui"]
     assert cycles(import_graph(root)) == [["appliance.cli", "appliance.install"],
                                           ["appliance.sub.a", "appliance.sub.b"]]
+
+
+def test_the_room_check_sees_planted_violations(tmp_path):
+    """A room importing a room it does not declare, and a shared leaf importing a room, are both caught; a
+    declared import, a shared leaf and the dispatcher are not."""
+    root = _plant(tmp_path, {
+        "appliance/__init__.py": "",
+        "appliance/cli.py": "from .low import a\nfrom .high import b\n",
+        "appliance/leaf.py": "from .low import a\n",
+        "appliance/low/__init__.py": '"""Low.\n\nMay import: (shared leaves only)\n"""\n',
+        "appliance/low/a.py": "from ..high import b\nfrom .. import leaf\n",
+        "appliance/high/__init__.py": '"""High.\n\nMay import: low\n"""\n',
+        "appliance/high/b.py": "from ..low import a\nfrom .. import leaf\n",
+    })
+    assert rooms(root) == {"high": {"low"}, "low": set()}
+    assert room_violations(root) == ["appliance.leaf imports appliance.low.a", "appliance.low.a imports appliance.high.b"]
 
 
 # --- the UI's verbs come in through the entry point group, and say why when they cannot -------------

@@ -1,6 +1,6 @@
 """One owner per fact: paths, ports, URLs, env names and config defaults are written down once.
 
-constants.py owns ports, paths, URLs and env names; the config schema (appliance/config_schema.py) owns every settings
+constants.py owns ports, paths, URLs and env names; the config schema (appliance/settings/schema.py) owns every settings
 default. This test reads the source of appliance/ and tui/ (string and number literals, docstrings and comments
 excluded) and names file:line wherever one of those facts is spelled out again instead of taken from its owner.
 """
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from appliance.config_schema import SCHEMA
+from appliance.settings.schema import SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("appliance", "tui")
 CONSTANTS = "appliance/constants.py"
-CONFIG = "appliance/config_schema.py"
+CONFIG = "appliance/settings/schema.py"
 
 # text that must not appear inside a string literal outside its owner: (text, owner, what to use instead)
 TEXTS = (
@@ -227,10 +227,10 @@ def test_other_values_and_prose_pass(tmp_path):
 
 def test_the_carriers_of_settings_start_from_the_schema():
     """What travels from pdctl.toml to a running service defaults to the schema's value on every hop."""
-    from appliance.config_schema import default
-    from appliance.decide import Thresholds
-    from appliance.plan import PROXY_TUNING, ProxyPlan
-    from appliance.planner import Workload
+    from appliance.settings.schema import default
+    from appliance.policy.decide import Thresholds
+    from appliance.plan.types import PROXY_TUNING, ProxyPlan
+    from appliance.plan.planner import Workload
     from appliance.proxy.config import ProxyConfig
     from appliance.wire.server import Limits
     carried = [(ProxyPlan("h", 1, 2), PROXY_TUNING), (ProxyConfig(backends=()), PROXY_TUNING),

@@ -10,8 +10,8 @@ import threading
 import time
 from pathlib import Path
 
-from appliance.localproc import free_port
-from appliance.plan import KVServerPlan, Plan, ProxyPlan, WorkerPlan
+from appliance.stack.localproc import free_port
+from appliance.plan.types import KVServerPlan, Plan, ProxyPlan, WorkerPlan
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")

@@ -12,7 +12,7 @@ from appliance.launcher import health
 from appliance.launcher.gpufree import GpuUse, memory_fraction, wait_free
 from appliance.launcher.spec import worker_spec
 from appliance.launcher.supervise import EngineSpec, child_env, wait_for_gpus
-from appliance.plan import WorkerPlan
+from appliance.plan.types import WorkerPlan
 
 GIB = 1024 ** 3
 
@@ -163,7 +163,7 @@ def test_gpu_wait_skips_without_nvml_or_for_twin():
     if nvml_reader()[0] is None:          # no NVIDIA driver here: skip the wait, with the reason
         r = wait_for_gpus(spec)
         assert r.ok and r.message.startswith("GPU memory wait skipped: NVML unavailable")
-    from appliance.plan import KVServerPlan, Plan, ProxyPlan
+    from appliance.plan.types import KVServerPlan, Plan, ProxyPlan
     w = WorkerPlan(instance="decode-0", role="decode", gpus=(1,), port=1, argv=("x",), env={})
     plan = Plan(mode="disaggregated", engine="twin", engine_version="", model="m", served_model_name="m", tp=1,
                 workers=(w,), kv_server=KVServerPlan("twin", 1, 2, 1.0, ("x",), {}),

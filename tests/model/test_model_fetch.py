@@ -1,7 +1,7 @@
 """``pdctl model fetch|path`` through the real CLI and the real huggingface_hub client, against a stand-in hub.
 
 The stand-in (tests/fixtures/hubserver.py) exists only because the real hub is unreachable here; everything
-on the client side is the product: the CLI, appliance/model_fetch.py and the installed huggingface_hub.
+on the client side is the product: the CLI, appliance/model/fetch.py and the installed huggingface_hub.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import config
-from appliance.model_fetch import (ModelFetchError, hub_id, is_local, local_snapshot, read_token,
+from appliance.settings import config
+from appliance.model.fetch import (ModelFetchError, hub_id, is_local, local_snapshot, read_token,
                                    worker_env_for_snapshot)
 from tests.fixtures.hubserver import HubServer, wait_for
 
@@ -414,8 +414,8 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
 PLAN_SCRIPT = """
 import json, sys
-from appliance.config import resolve
-from appliance.plan_settings import plan_from_settings
+from appliance.settings.config import resolve
+from appliance.plan.from_settings import plan_from_settings
 from pathlib import Path
 s = resolve(Path(sys.argv[1]), flags={"model": "pdtest/llama", "engine": "vllm-cpu", "gpus": "none", "cache_dir": sys.argv[2]})
 p = plan_from_settings(s, probe_hub=sys.argv[3] == "probe")

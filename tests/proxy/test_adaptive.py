@@ -7,7 +7,7 @@ import aiohttp
 from dataclasses import replace
 
 from appliance import constants as C
-from appliance.decide import Thresholds
+from appliance.policy.decide import Thresholds
 from appliance.proxy.config import BackendSpec, ProxyConfig
 
 from .conftest import make_cfg

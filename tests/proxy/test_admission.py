@@ -10,7 +10,7 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
-from appliance import admit as A
+from appliance.policy import admit as A
 
 from .conftest import make_cfg
 

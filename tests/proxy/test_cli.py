@@ -16,8 +16,8 @@ from pathlib import Path
 
 import aiohttp
 
-from appliance.localproc import free_port
-from appliance.plan import KVServerPlan, Plan, ProxyPlan, WorkerPlan
+from appliance.stack.localproc import free_port
+from appliance.plan.types import KVServerPlan, Plan, ProxyPlan, WorkerPlan
 from appliance.proxy.cli import serve_plan
 from appliance.proxy.config import from_plan
 
@@ -171,7 +171,7 @@ def test_adaptive_thresholds_from_flags_and_from_the_plan():
 
     import pytest
 
-    from appliance.decide import Thresholds
+    from appliance.policy.decide import Thresholds
     from appliance.proxy import cli as pcli
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers()
@@ -184,8 +184,8 @@ def test_adaptive_thresholds_from_flags_and_from_the_plan():
     with pytest.raises(SystemExit, match="must be >= 0"):
         pcli.config_from_args(ap.parse_args(["proxy", "--both", "http://127.0.0.1:1", "--consumer-max-uncached", "-1"]))
     from appliance.inventory import detect
-    from appliance.models import resolve
-    from appliance.planner import Overrides, Workload, make_plan
+    from appliance.model.profiles import resolve
+    from appliance.plan.planner import Overrides, Workload, make_plan
     th = Thresholds(1000, 2000, 3, 4)
     plan = make_plan(detect("fake:2xH200"), resolve("deepseek-v2-lite"), Workload(), Overrides(both=2, thresholds=th))
     assert from_plan(Plan.from_json(plan.to_json())).thresholds == th     # through plan.json, unchanged

@@ -8,7 +8,7 @@ import time
 import aiohttp
 import pytest
 
-from appliance.decide import Thresholds
+from appliance.policy.decide import Thresholds
 
 from .conftest import make_cfg
 

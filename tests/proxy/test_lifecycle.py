@@ -209,7 +209,7 @@ def test_kill9_refuses_nobody_and_counts_the_cut_streams(fresh):
 
 def test_without_passed_sockets_the_proxy_binds_itself(fresh):
     e = fresh
-    from appliance.localproc import free_port
+    from appliance.stack.localproc import free_port
     port, iport = free_port(), free_port()
     p = spawn(standalone_args(e, port, iport), [], extra_env={"LISTEN_FDS": "2", "LISTEN_PID": "1"})  # not ours
     try:
@@ -224,7 +224,7 @@ def test_without_passed_sockets_the_proxy_binds_itself(fresh):
 def test_sighup_rereads_the_plan_keeps_backends_and_drops_no_connection(fresh, tmp_path):
     e = fresh
     e["d0"].mode("ok", token_delay_s=0.1)
-    from appliance.localproc import free_port
+    from appliance.stack.localproc import free_port
     port, internal = free_port(), free_port()
     plan = make_plan([e["p0"].port], [e["d0"].port], port, internal, telemetry=False)
     path = tmp_path / "plan.json"

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance.localproc import free_port, stop_all, wait_http
+from appliance.stack.localproc import free_port, stop_all, wait_http
 from appliance.proxy.config import BackendSpec
 from appliance.twin import tokens
 

@@ -32,9 +32,9 @@ def _free_port_pair() -> int:
 def soft_plan(model_dir, venv, ports: dict, **extra) -> dict:
     """The Plan (JSON) for 2 kv_both CPU workers: exactly what ``pdctl plan --engine vllm-cpu --both 2`` gives
     (``extra``: more planner Overrides, e.g. the [plan] keys a module is about)."""
-    from appliance import planner as PL
+    from appliance.plan import planner as PL
     from appliance.inventory import detect
-    from appliance.models import resolve
+    from appliance.model.profiles import resolve
 
     model = resolve(str(model_dir))
     ov = PL.Overrides(engine="vllm-cpu", engine_venv=str(venv), kv_zmq_port=ports["kv_zmq"],

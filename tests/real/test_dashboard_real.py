@@ -26,7 +26,7 @@ from promcheck import check  # noqa: E402
 from appliance import constants as C  # noqa: E402
 from appliance import metric_names as N  # noqa: E402
 from appliance.inventory import is_na  # noqa: E402
-from appliance.plan import Plan  # noqa: E402
+from appliance.plan.types import Plan  # noqa: E402
 
 from .stack import long_prompt  # noqa: E402
 

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from appliance.decide import R_FEW_UNCACHED
+from appliance.policy.decide import R_FEW_UNCACHED
 import pytest
 from openai import OpenAI
 
@@ -45,7 +45,7 @@ def counters(http, real_stack) -> dict:
             "lmc": scrape(http, real_stack.kv_http, LMC_HITS), "stored": st["kv_wait"].get("stored", 0),
             "timeout": st["kv_wait"].get("timeout", 0), "matched": st["telemetry"]["matched"],
             # the adaptive policy aggregates on the decoder (no P leg) when few tokens are uncached: a repeated
-            # prefix or a short prompt (appliance/decide.py)
+            # prefix or a short prompt (appliance/policy/decide.py)
             "skip_cached": st["pd_skipped"].get(R_FEW_UNCACHED, 0),
             "skip_short": st["pd_skipped"].get(R_FEW_UNCACHED, 0)}
 

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import constants as C
-from appliance.decide import R_FEW_UNCACHED
+from appliance.policy.decide import R_FEW_UNCACHED
 from tests.real.stack import expected_hit_tokens, long_prompt, metric_sum
 from tests.cache import CACHE
 from tests.install.common import WHEELHOUSE, build_wheelhouse

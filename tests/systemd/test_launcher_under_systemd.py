@@ -28,7 +28,7 @@ RUN = "/run/pdtest"                      # the container's own /run
 
 
 def _plan() -> dict:
-    from appliance.plan import KVServerPlan, Plan, ProxyPlan, WorkerPlan
+    from appliance.plan.types import KVServerPlan, Plan, ProxyPlan, WorkerPlan
     argv = (PY, str(ENGINE), "--port", str(PORT), "--load", "1", "--sick-file", f"{RUN}/sick",
             "--marker", f"{RUN}/signals")
     w = WorkerPlan(instance="prefill-0", role="prefill", gpus=(0,), port=PORT, argv=argv, env={"PDCTL_TEST": "unit"})

@@ -174,7 +174,7 @@ async def test_actions_on_a_front_node_act_on_the_router_unit():
     calls = []
 
     def action(verb, unit):
-        from appliance.actions import ActionResult
+        from appliance.views.actions import ActionResult
         calls.append((verb, unit))
         return ActionResult(True, ("systemctl", verb, unit), f"{verb} {unit}: queued")
     app = PdctlApp(None, refresh=3600, fleet=ScriptedFleet(fleet_ok()), action=action)

@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tui_scripted import Scripted, degraded, full, shown, with_unit  # noqa: E402
 
-from appliance.actions import ActionResult  # noqa: E402
+from appliance.views.actions import ActionResult  # noqa: E402
 from tui.app import PdctlApp  # noqa: E402
 from tui.widgets.dialogs import Confirm, Help  # noqa: E402
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from appliance.collector.snapshot import (Admission, DecisionMix, DecisionReason, GpuSample, KVLayers,
                                           KVServerStatus, LegCounts, ProxyStatus, Refusal, Snapshot, Traffic,
                                           UnitState, WorkerStatus, na_unit)
-from appliance.decide import AGGREGATE, R_FEW_UNCACHED, R_LONG_UNCACHED, R_PREFILL_BUSY, SPLIT
+from appliance.policy.decide import AGGREGATE, R_FEW_UNCACHED, R_LONG_UNCACHED, R_PREFILL_BUSY, SPLIT
 from appliance.inventory import NA
 
 GiB = 1024 ** 3

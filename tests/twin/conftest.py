@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.localproc import free_port, stop_all, wait_http
+from appliance.stack.localproc import free_port, stop_all, wait_http
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from appliance.admit import Policy
+from appliance.policy.admit import Policy
 from appliance.twin.simulator import SimError, Workload, simulate
 
 HW, MODEL, BOTH, SEED = "a100-80gb", "deepseek-v2-lite", 3, 1

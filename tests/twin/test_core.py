@@ -1,6 +1,6 @@
 """The shared scheduler: batching limits, token budget, preemption, completion accounting."""
 
-from appliance.models import resolve as model
+from appliance.model.profiles import resolve as model
 from appliance.twin.core import EngineCore, Seq
 from appliance.twin.costmodel import CostModel, EngineConfig
 from appliance.twin.hardware import resolve

@@ -1,7 +1,7 @@
 """The cost model's physics: capacities from memory, times growing the right way, fitted factors in range."""
 import pytest
 
-from appliance.models import resolve as model
+from appliance.model.profiles import resolve as model
 from appliance.twin.costmodel import CostModel, EngineConfig
 from appliance.twin.params import CostParams, check_plausible
 from appliance.twin.hardware import PROFILES, HardwareError, resolve

@@ -4,7 +4,7 @@ Each test runs on the shipped parameters of both setups and on the corners of th
 directions must follow from the structure of the model, not from lucky values."""
 import pytest
 
-from appliance.models import resolve as resolve_model
+from appliance.model.profiles import resolve as resolve_model
 from appliance.twin import kvpath
 from appliance.twin.core import EngineCore, HostLink, Seq
 from appliance.twin.costmodel import CostModel, EngineConfig

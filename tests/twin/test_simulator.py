@@ -96,7 +96,7 @@ def test_cli_json_has_vllm_bench_keys():
 
 def test_cli_simulates_the_default_plan():
     """`--both 3 --policy adaptive`: the planner's default on 3x A100 (three kv_both engines, each request
-    routed by appliance/decide.py), the same run the planner ranks with."""
+    routed by appliance/policy/decide.py), the same run the planner ranks with."""
     def run(*args):
         return subprocess.run([sys.executable, "-m", "appliance.twin.cli", "twin", "simulate", *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)

@@ -8,8 +8,21 @@ from rich.text import Text
 
 from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
-from appliance.status import (decisions_text, duration, gib, health_short, legs_text, num, pct, per_s,
-                              refusals_text, secs, skipped_text, text, unit_text)
+from appliance.views.status import (
+    decisions_text,
+    duration,
+    gib,
+    health_short,
+    legs_text,
+    num,
+    pct,
+    per_s,
+    refusals_text,
+    secs,
+    skipped_text,
+    text,
+    unit_text,
+)
 
 from ..widgets.chart import spark
 

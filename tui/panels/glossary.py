@@ -50,7 +50,7 @@ NUMBERS = (
     ("KV server", "hit tokens / requested tokens over every lookup the LMCache server answered"),
     ("L1 used", "the KV server's host-RAM cache in use, of its size; evictions/s: chunks evicted per second"),
     ("decisions", "how the proxy served requests in the window: aggregated (one worker) or split (P leg "
-                  "here, D leg there), with each reason's share (appliance/decide.py)"),
+                  "here, D leg there), with each reason's share (appliance/policy/decide.py)"),
     ("run/wait", "requests the engine is running / has waiting (vLLM gauges); kvserver: lookups/s"),
     ("KV", "the engine's KV cache blocks in use; kvserver: its L1 in use"),
     ("legs F P D", "legs the proxy has open on the worker now: full (aggregated) requests, P legs, D legs"),

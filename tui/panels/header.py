@@ -9,7 +9,7 @@ from rich.text import Text
 
 from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
-from appliance.status import duration, na_notes
+from appliance.views.status import duration, na_notes
 
 from .summary import Fit, form
 

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
-from appliance.status import decisions_text, gib, num, pct, secs, share
+from appliance.views.status import decisions_text, gib, num, pct, secs, share
 
 from ..widgets.latency import Series
 from ..widgets.rows import Row, Rows

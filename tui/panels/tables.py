@@ -14,7 +14,7 @@ from textual.widgets import DataTable
 
 from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
-from appliance.status import gib, health_short, legs_text, num, pct, text, unit_text
+from appliance.views.status import gib, health_short, legs_text, num, pct, text, unit_text
 
 from ..widgets.bars import bar
 from ..widgets.chart import spark

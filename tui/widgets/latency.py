@@ -14,7 +14,7 @@ from rich.text import Text
 from textual.widget import Widget
 
 from appliance.inventory import is_na
-from appliance.status import secs
+from appliance.views.status import secs
 
 from .chart import P50_STYLE, P95_STYLE, SLO_STYLE, plot_span, render_chart, short_secs, span_text
 

@@ -1,0 +1,131 @@
+"""``pdctl status`` and ``pdctl logs``: the operator's views of one installed box. ``pdctl tui`` lives in tui/ and
+reads the settings, plan and fleet through the helpers here (settings_value, front_node, box_plan_here)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from appliance import constants as C
+from appliance.errors import EXIT_BAD, EXIT_FAIL, EXIT_OK
+
+
+def settings_value(config: Path, section: str, key: str) -> Optional[Any]:
+    """A value from pdctl.toml when that file exists (the TUI refresh and TTFT SLO live there)."""
+    if config.suffix != ".toml" or not config.exists():
+        return None
+    try:
+        from appliance.settings.config import resolve
+        return resolve(config).get(section, key)
+    except Exception:  # noqa: BLE001 - a bad settings file is reported by `pdctl config show`, not here
+        return None
+
+
+def _plan(config: Path) -> Any:
+    from appliance.plan.installed import load_plan
+    return load_plan(config)
+
+
+def front_node(config: Path):
+    """On a fleet front node (a fleet plan next to the settings): (FleetPlan, API key or None); else None.
+    Raises FleetError for a fleet plan that does not load."""
+    fleet_file = Path(config).parent / C.FLEET_PLAN.name
+    if not fleet_file.exists():
+        return None
+    from appliance.fleet.install import load_fleet
+    key = None
+    key_file = settings_value(config, "proxy", "api_key_file")
+    if key_file:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError as e:
+            print(f"pdctl: [proxy] api_key_file {key_file}: {e.strerror or e}; reading the boxes without a key "
+                  "(their /pdctl/status answers 401)", file=sys.stderr)
+    return load_fleet(fleet_file), key
+
+
+def box_plan_here(config: Path) -> bool:
+    """A box plan beside the settings (or the settings are a plan): not a pure front node."""
+    return Path(config).with_name("plan.json").exists() or Path(config).suffix == ".json"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from appliance.collector import collect_once
+    from appliance.fleet.plan import FleetError
+    from appliance.views.status import render_json, render_text
+    try:
+        front = front_node(args.config)
+    except FleetError as exc:
+        print(f"pdctl status: {exc}", file=sys.stderr)
+        return EXIT_BAD
+    fleet = None
+    if front is not None:
+        from appliance.fleet.status import collect
+        fleet = collect(front[0], api_key=front[1], timeout=max(args.timeout, 1.0))
+    has_plan = box_plan_here(args.config)
+    if fleet is not None and not has_plan:     # a pure front node: only the fleet
+        import json as _json
+
+        from appliance.fleet.status import render_text as fleet_text
+        sys.stdout.write(_json.dumps(fleet.to_json(), indent=2) + "\n" if args.json else fleet_text(fleet))
+        return EXIT_OK if all(b.ready == "ready" for b in fleet.boxes) else EXIT_FAIL
+    plan = _plan(args.config)
+    slo = settings_value(args.config, "workload", "ttft_slo_s")
+    tpot_ms = settings_value(args.config, "workload", "tpot_slo_ms")
+    snap = collect_once(plan, settle_s=max(0.0, args.window), slo_ttft_s=slo, timeout_s=args.timeout,
+                        slo_tpot_s=tpot_ms / 1000.0 if tpot_ms else None)
+    sys.stdout.write(render_json(snap) + "\n" if args.json else render_text(snap))
+    if fleet is not None and not args.json:
+        from appliance.fleet.status import render_text as fleet_text
+        sys.stdout.write("\nfleet:\n" + fleet_text(fleet))
+    return EXIT_OK if snap.overall == "ready" else EXIT_FAIL
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from appliance.views import journal
+    instances: list = []
+    try:
+        instances = [w.instance for w in _plan(args.config).workers]
+    except Exception:  # noqa: BLE001 - logs must work even when the plan is unreadable
+        instances = []
+    names = args.target or ["all"]
+    units = [journal.resolve_unit(n, instances) for n in names]
+    if units == [C.TARGET_UNIT]:
+        units = [C.KV_UNIT, C.PROXY_UNIT] + [C.worker_unit(i) for i in instances] if instances else \
+            [C.KV_UNIT, C.PROXY_UNIT, "pd-worker@*.service"]
+    try:
+        if args.follow:
+            for ln in journal.follow(units, since=args.since, lines=args.lines):
+                print(ln.render(), flush=True)
+            return EXIT_OK
+        lines, err = journal.read(units, since=args.since, lines=args.lines, priority=args.priority)
+    except ValueError as e:
+        print(f"pdctl logs: {e}", file=sys.stderr)
+        return EXIT_BAD
+    except KeyboardInterrupt:
+        return EXIT_OK
+    if err:
+        print(f"pdctl logs: {err}", file=sys.stderr)
+        return EXIT_FAIL
+    for ln in lines:
+        print(ln.render())
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="one-shot state of the box: roles, GPUs, KV hit rates, TTFT")
+    p.add_argument("--json", action="store_true", help="the Snapshot as JSON (NA values as {\"na\": reason})")
+    p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml or plan.json")
+    p.add_argument("--window", type=float, default=1.0, help="seconds between the two samples rates come from")
+    p.add_argument("--timeout", type=float, default=0.5, help="per-endpoint HTTP time-out (s)")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("logs", help="journal of a role or unit: prefill-0, decode, proxy, kv, or a unit name")
+    p.add_argument("target", nargs="*", help="instance, role, proxy, kv, all, or a unit name (default all)")
+    p.add_argument("-f", "--follow", action="store_true")
+    p.add_argument("--since", default="", help="journalctl --since (e.g. -10min, today)")
+    p.add_argument("-n", "--lines", type=int, default=200)
+    p.add_argument("-p", "--priority", default="", help="emerg..debug or 0-7 (that level and more severe)")
+    p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml or plan.json")
+    p.set_defaults(func=cmd_logs)

@@ -1,0 +1,156 @@
+"""appliance/policy/admit.py: the admission rule (judge), its learners and the wait queue; unit and property tests."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from appliance.policy import admit as A
+
+RATES = A.Rates(ttft_a=0.1, ttft_s=1e-4, tpot_b=0.02, tpot_k=0.001)   # 10k tok/s; TPOT 20 ms + 1 ms/stream
+P = A.Policy(mode="slo", ttft_slo_s=2.0, tpot_slo_s=0.08, target=0.8, tpot_target=1.0, max_queue=8)
+
+
+def worker(streams=0, backlog=0, rates=RATES, cap=1 << 30):
+    return A.Worker("w", streams, backlog, rates, cap)
+
+
+def ask(now=0.0, uncached=1000, priority=0, budget=2.0):
+    return A.Ask(now, now + budget, uncached, priority)
+
+
+def test_off_admits_everything():
+    v = A.judge(0.0, ask(), None, worker(streams=10_000, backlog=10**9), A.QueueView(50, 50, 1.0),
+                A.Policy(mode="off"))
+    assert (v.action, v.reason) == (A.ADMIT, A.R_OFF)
+
+
+def test_room_admits_and_predicts_ttft():
+    v = A.judge(0.0, ask(uncached=1000), None, worker(streams=10, backlog=4000), A.QueueView(), P)
+    assert v.action == A.ADMIT and v.reason == A.R_ROOM
+    assert math.isclose(v.ttft_s, 0.1 + 1e-4 * 5000)
+
+
+def test_tpot_full_worker_queues_and_idle_worker_always_takes_the_head():
+    # 20 ms + 1 ms x 61 = 81 ms > 80 ms: one more stream would break the running ones' TPOT
+    v = A.judge(0.0, ask(), None, worker(streams=60), A.QueueView(), P)
+    assert (v.action, v.reason) == (A.QUEUE, A.R_TPOT)
+    slow = A.Rates(5.0, 1.0, 1.0, 1.0)          # a model that says nothing fits: an idle worker still starts it
+    assert A.judge(0.0, ask(), None, worker(rates=slow), A.QueueView(), P).action == A.ADMIT
+
+
+def test_prefill_backlog_past_the_target_queues():
+    # 0.1 + 1e-4 x (14000 + 1000) = 1.6 s = 0.8 x 2 s: just in; one more token of backlog: out
+    assert A.judge(0.0, ask(), None, worker(streams=1, backlog=14000), A.QueueView(), P).action == A.ADMIT
+    v = A.judge(0.0, ask(), None, worker(streams=1, backlog=14001), A.QueueView(), P)
+    assert (v.action, v.reason) == (A.QUEUE, A.R_TTFT)
+
+
+def test_engines_max_num_seqs_is_a_wall():
+    v = A.judge(0.0, ask(), None, worker(streams=4, cap=4), A.QueueView(), P)
+    assert (v.action, v.reason) == (A.QUEUE, A.R_TPOT)
+
+
+def test_arrival_behind_a_queue_that_drains_too_slowly_is_refused_at_once_with_retry_after():
+    # 30 ahead at 10/s = 3 s of waiting > the 1.6 s target: refused now, before any engine sees it
+    big = replace(P, max_queue=100)
+    v = A.judge(0.0, ask(), None, worker(streams=60), A.QueueView(30, 30, 10.0), big)
+    assert (v.action, v.reason) == (A.REFUSE, A.R_DEADLINE)
+    # the queue drains (31 / 10 s) down to what a new one may wait (1.6 - 0.2 s): 1.7 s -> 2 s
+    assert v.retry_after_s == 2
+    # 5 ahead at 10/s fits: it waits
+    assert A.judge(0.0, ask(), None, worker(streams=60), A.QueueView(5, 5, 10.0), big).action == A.QUEUE
+
+
+def test_waiting_request_past_hope_leaves_refused():
+    # waited 1.5 s; even an idle worker needs 0.2 s: 1.7 > 1.6 s target
+    v = A.judge(1.5, ask(now=0.0), None, worker(streams=60), A.QueueView(0, 3, 2.0, arriving=False), P)
+    assert (v.action, v.reason) == (A.REFUSE, A.R_EXPIRED)
+    assert v.retry_after_s >= 1
+
+
+def test_a_head_past_its_goal_is_refused_even_with_an_idle_worker():
+    # goal = 0.8 x 2 s after arrival; the idle rule starts heads only before it
+    v = A.judge(1.6, ask(now=0.0), None, worker(), A.QueueView(0, 1, 1.0, arriving=False), P)
+    assert (v.action, v.reason) == (A.REFUSE, A.R_EXPIRED)
+    assert A.judge(1.5, ask(now=0.0), None, worker(), A.QueueView(0, 1, 1.0, arriving=False), P).action == A.ADMIT
+
+
+def test_queue_full_refuses_new_arrivals():
+    v = A.judge(0.0, ask(), None, worker(streams=60), A.QueueView(8, 8, 0.0), P)
+    assert (v.action, v.reason) == (A.REFUSE, A.R_QUEUE_FULL)
+
+
+def test_queue_mode_caps_streams_without_prediction():
+    q = A.Policy(mode="queue", max_streams=4, max_queue=2, max_queue_wait_s=1.0)
+    assert A.judge(0.0, ask(), None, worker(streams=3), A.QueueView(), q).action == A.ADMIT
+    assert A.judge(0.0, ask(), None, worker(streams=4), A.QueueView(), q).action == A.QUEUE
+    assert A.judge(1.0, ask(), None, worker(streams=4), A.QueueView(), q).reason == A.R_EXPIRED
+    assert A.judge(0.0, ask(), None, worker(streams=4), A.QueueView(2, 2, 1.0), q).reason == A.R_QUEUE_FULL
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams=st.integers(0, 300), backlog=st.integers(0, 200_000), uncached=st.integers(0, 50_000),
+       waited=st.floats(0, 5), ahead=st.integers(0, 50), drain=st.floats(0, 100),
+       a=st.floats(0, 1), s=st.floats(1e-7, 1e-3), b=st.floats(0, 0.1), k=st.floats(0, 0.01))
+def test_properties(streams, backlog, uncached, waited, ahead, drain, a, s, b, k):
+    """Whatever the state: an admitted request was predicted within both targets (or took an idle worker);
+    a refusal always says when to come back; judge is deterministic."""
+    r = A.Rates(a, s, b, k)
+    w = worker(streams, backlog, r)
+    q = A.QueueView(ahead, ahead, drain)
+    v = A.judge(waited, ask(uncached=uncached), None, w, q, P)
+    assert v == A.judge(waited, ask(uncached=uncached), None, w, q, P)
+    if v.action == A.ADMIT and v.reason == A.R_ROOM:
+        assert ahead == 0
+        assert v.ttft_s <= P.target * 2.0 + 1e-9
+        assert r.tpot(streams + 1) <= P.tpot_target * P.tpot_slo_s + 1e-12
+    if v.action == A.ADMIT and v.reason == A.R_IDLE:
+        assert streams == 0 and backlog == 0 and ahead == 0
+    if v.action == A.REFUSE:
+        assert 1 <= v.retry_after_s <= P.retry_after_max_s
+    # more load never turns a queue or a refusal into an admission
+    if v.action != A.ADMIT:
+        assert A.judge(waited, ask(uncached=uncached), None, worker(streams + 1, backlog + 1, r), q, P).action \
+            != A.ADMIT
+
+
+def test_linear_fit_learns_a_line_and_holds_the_prior_without_data():
+    f = A.LinearFit(a0=0.1, b0=0.0, x0=10.0)     # the prior 5x off in the intercept, no slope at all
+    assert f.coef() == (0.1, 0.0)
+    for i in range(400):
+        x = i % 40
+        f.observe(x, 0.02 + 0.001 * x)
+    a, b = f.coef()
+    for x in (5, 20, 35):      # the data outweigh the prior: within 20 % where the data are, above them at small x
+        assert abs(a + b * x - (0.02 + 0.001 * x)) < 0.2 * (0.02 + 0.001 * x)
+    assert a + b * 5 >= 0.02 + 0.001 * 5
+    g = A.LinearFit(a0=0.1, b0=1e-4, x0=2000.0)
+    for _ in range(300):                 # every observation at one x: intercept and slope move together
+        g.observe(2000.0, 0.5)
+    a, b = g.coef()
+    assert abs(a + b * 2000.0 - 0.5) < 0.01 and b > 0
+
+
+def test_drain_meter():
+    d = A.DrainMeter(window_s=10.0)
+    assert d.rate(0.0) == 0.0
+    for i in range(11):
+        d.started(i * 0.5)               # 2 per second
+    assert abs(d.rate(5.0) - 2.0) < 1e-9
+    assert d.rate(100.0) == 0.0          # nothing in the window any more
+
+
+def test_wait_queue_orders_by_priority_then_deadline():
+    q = A.WaitQueue()
+    k1 = q.push(A.Ask(0.0, 2.0, 0, 0), "a")
+    q.push(A.Ask(0.1, 2.1, 0, 0), "b")
+    q.push(A.Ask(0.2, 2.2, 0, -1), "urgent")
+    assert q.rank(A.Ask(0.3, 2.3, 0, 0)) == 3
+    assert q.rank(A.Ask(0.3, 2.3, 0, -1)) == 1
+    assert [p for p in q.payloads()] == ["urgent", "a", "b"]
+    assert q.last()[1] == "b"
+    assert q.remove(k1) and not q.remove(k1)
+    assert q.pop()[1] == "urgent" and len(q) == 1
