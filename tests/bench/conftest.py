@@ -22,7 +22,7 @@ class Standin:
         pf = os.path.join(self.dir, "port")
         self.proc = subprocess.Popen([sys.executable, str(STANDIN), "--port", "0", "--port-file", pf, *flags],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 30              # a process start on a busy 2-core box: ~1 s
         while not os.path.exists(pf):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()

@@ -19,15 +19,27 @@ def prompts(n: int, ns: str = "t"):
 
 
 async def test_percentiles_match_injected_delays(standin):
+    """The stand-in sleeps 0.2 s before the first token and 0.02 s before each of the other 9, so every time the
+    client measures from its send is at least those sleeps: a lower bound no load can break (0.1 ms is left for a
+    timer firing within the clock's resolution). Upper bounds are 10x the sleeps: a busy machine only adds to the
+    times, so they catch a unit or clock mix-up, not slowness. The per-request structure (9 gaps; TTFT + gaps =
+    time to the last token <= E2E) holds at any speed. How close the times come to the sleeps is what ``pdctl
+    bench`` prints, not a verdict here."""
     s = standin("--ttft", "0.2", "--itl", "0.02")
     run = await run_rate(s.url, "standin", prompts(20), 20.0, PROF.output_len, seed=1)
     d = summarize(run, model="standin", tokenizer_id="x", num_prompts=20)
     assert d["completed"] == 20 and d["failed"] == 0
-    assert 195 <= d["p50_ttft_ms"] <= 290, d["p50_ttft_ms"]
-    assert 19 <= d["p50_itl_ms"] <= 40, d["p50_itl_ms"]
-    assert 19 <= d["p50_tpot_ms"] <= 40, d["p50_tpot_ms"]
-    assert 375 <= d["p50_e2el_ms"] <= 560, d["p50_e2el_ms"]  # 0.2 + 9 x 0.02
+    print({k: round(d[k], 1) for k in ("p50_ttft_ms", "p50_itl_ms", "p50_tpot_ms", "p50_e2el_ms")})
+    assert 199.9 <= d["p50_ttft_ms"] <= 2000, d["p50_ttft_ms"]
+    # gaps are between the client's reads (two chunks read at once make a ~0 gap): no sleep bound holds for them,
+    # so 1 ms below only tells milliseconds from seconds
+    assert 1 <= d["p50_itl_ms"] <= 200, d["p50_itl_ms"]
+    assert 1 <= d["p50_tpot_ms"] <= 200, d["p50_tpot_ms"]
+    assert 379.9 <= d["p50_e2el_ms"] <= 3800, d["p50_e2el_ms"]  # >= 0.2 + 9 x 0.02
     assert d["p99_ttft_ms"] >= d["p95_ttft_ms"] >= d["p90_ttft_ms"] >= d["p50_ttft_ms"]
+    for r in run.results:
+        assert len(r.itl) == 9 and r.ttft >= 0.1999, (r.ttft, r.itl)
+        assert 0.3799 <= r.ttft + sum(r.itl) <= r.latency + 1e-6, (r.ttft, r.itl, r.latency)
     assert d["total_output_tokens"] == 200 and set(d["input_lens"]) == {600}
     log = s.log()["log"]
     assert all(e["max_tokens"] == 10 and e["ignore_eos"] is True and e["prompt_tokens"] == 600 for e in log)
@@ -45,15 +57,17 @@ async def test_failures_are_counted_by_kind(standin):
 
 
 async def test_run_is_bounded_by_request_timeout_and_deadline(standin):
+    # the stalled requests would hold the run for 60 s: a run that ends well before that was cut by the bound
+    # (normally ~1-1.5 s; 30 s only fails when the bound is not applied)
     s = standin("--ttft", "0.01", "--itl", "0.005", "--stall-every", "4", "--stall", "60")
     t0 = time.monotonic()
     run = await run_rate(s.url, "standin", prompts(8), 100.0, PROF.output_len, request_timeout_s=1.0)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30
     assert sorted(r.error for r in run.results if not r.ok) == ["timed out after 1s"] * 2
     t0 = time.monotonic()
     run = await run_rate(s.url, "standin", prompts(8, "u"), 100.0, PROF.output_len, request_timeout_s=100,
                          deadline_s=1.5)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30
     assert sum("deadline" in r.error for r in run.results) == 2 and sum(r.ok for r in run.results) == 6
 
 
@@ -78,11 +92,14 @@ async def test_requests_leave_on_schedule_open_loop(standin):
     s = standin("--ttft", "0.5", "--itl", "0.01")
     run = await run_rate(s.url, "standin", prompts(30), 40.0, PROF.output_len, seed=3)
     lags = [r.sent - r.scheduled for r in run.results]
-    assert max(lags) < 0.25 and min(lags) >= -0.001   # a closed-loop sender would lag by seconds here
+    print(f"send lag: max {max(lags) * 1000:.1f} ms")
+    # a closed-loop sender would lag by ~16 s here (30 x 0.59 s one at a time); an open one lags by its event
+    # loop's delays only (milliseconds): 2 s is far from both
+    assert max(lags) < 2.0 and min(lags) >= -0.001
     assert run.max_concurrency >= 10
     srv = sorted(e["t"] for e in s.log()["log"])
     sched = sorted(r.scheduled for r in run.results)
-    assert max(abs((a - srv[0]) - (b - sched[0])) for a, b in zip(srv, sched)) < 0.3
+    assert max(abs((a - srv[0]) - (b - sched[0])) for a, b in zip(srv, sched)) < 2.0
 
 
 def test_sse_parser_handles_crlf_split_events_and_error_events():

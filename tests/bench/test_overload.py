@@ -81,7 +81,8 @@ def test_overload_sweep_through_the_proxy_counts_refusals_with_retry_after_and_g
         assert 0 < x["good"] <= x["completed"]
         assert x["goodput"] == pytest.approx(x["good"] * x["request_rate"] / 30)
         assert x["request_goodput"] == pytest.approx(x["good"] / x["duration"])
-        assert 0 <= x["p99_refusal_ms"] < 1000 if x["refused"] else x["p99_refusal_ms"] is None
+        # a refusal comes at once or after the queue's 0.3 s bound (~300 ms at p99): 3 s is a hang bound
+        assert 0 <= x["p99_refusal_ms"] < 3000 if x["refused"] else x["p99_refusal_ms"] is None
     assert rows[1]["refused"] > 0, "4x past what 2 streams hold: the proxy refuses"
     refused = sum(x["refused"] for x in rows)
     # never retried: the engine saw each admitted request once and no refused one

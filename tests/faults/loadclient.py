@@ -22,7 +22,9 @@ Each request (streaming completions, every 4th one non-streaming) gets exactly o
 - ``other``         anything else: another status, a connect time-out.
 ``retried`` and ``migrated`` are the proxy's own retry and stream-migration counter deltas over the run
 (``/pdctl/status`` on the internal port), summed over proxy restarts. Prints one JSON line: counts, first
-examples per outcome, latencies.
+examples per outcome, latencies, and ``cut_started``: when each ``cut`` request was sent (``time.monotonic()``,
+the host's clock too: an nspawn container shares CLOCK_MONOTONIC), so a test can tell what was in flight at a
+kill from what came after it without assuming how long a stream lasts.
 """
 from __future__ import annotations
 
@@ -151,6 +153,7 @@ def main(url: str, model: str, rate: float, seconds: float, status_url: str = ""
     expect = "".join(" " + words[k % len(words)] for k in range(max_tokens)) if words else None
     examples: dict = {}
     lat: list = []
+    cut_started: list = []
     lock = threading.Lock()
     retried = {"total": 0, "migrated": 0, "last": None}
     stop = threading.Event()
@@ -176,6 +179,8 @@ def main(url: str, model: str, rate: float, seconds: float, status_url: str = ""
         with lock:
             counts[outcome] += 1
             lat.append(time.monotonic() - t0)
+            if outcome == "cut":
+                cut_started.append(t0)
             if detail:
                 examples.setdefault(outcome, [])
                 if len(examples[outcome]) < 3:
@@ -204,7 +209,7 @@ def main(url: str, model: str, rate: float, seconds: float, status_url: str = ""
     return {"sent": n, **counts, "retried": retried["total"] if status_url else None,
             "migrated": retried["migrated"] if status_url else None, "examples": examples,
             "p50_s": round(lat[len(lat) // 2], 3) if lat else None, "max_s": round(lat[-1], 3) if lat else None,
-            "wall_s": round(time.monotonic() - t0, 2)}
+            "wall_s": round(time.monotonic() - t0, 2), "cut_started": sorted(cut_started)}
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ LOAD_S = 16.0        # seconds of load per fault (covers a restart: RestartSec 5
 ANSWER_TOKENS = 64   # long enough that a failure lands mid-stream (the first round used 16)
 STALL_BOUND_S = 5.0  # [proxy] stall_floor_s: a hung decoder's streams move after this much silence
 INJECT_AT = 2.0      # the fault lands this long after the load starts
-READMIT_S = 10.0     # healthy -> re-admitted by the proxy within this
+HANG_S = 30.0        # the hung decoder's hang: far past the stall bound, so a stream that waited it out is plain
+READMIT_S = 30.0     # healthy -> re-admitted within this (0.7-1.8 s measured): a re-admission that waits out
+                     # a long cool-down fails, a busy machine's probe delays do not
 FAULT_TABLE: list = []
 READMIT: dict = {}  # fault -> (s from healthy to re-admitted, proxy trail)
 TRAILS: dict = {}
@@ -234,7 +236,7 @@ def test_systemctl_stop_decoder(box):
     time.sleep(INJECT_AT)
     watch = StatusWatch(box, (inst, unit))
     box.systemctl("stop", unit, check=True, timeout=90)
-    assert wait_until(lambda: backend_state(box, inst) in ("open", "half_open"), 10), "proxy did not eject it"
+    assert wait_until(lambda: backend_state(box, inst) in ("open", "half_open"), 30), "proxy did not eject it"
     time.sleep(2.0)
     t0 = time.monotonic()
     box.systemctl("start", unit, check=True, timeout=120)
@@ -265,14 +267,15 @@ def injected(box, inst: str, mode: str, arg=None, lasts: float = 5.0) -> tuple:
 
 
 def test_hung_decoder(box):
-    res, rec, seen, adm = injected(box, "decode-2", "hang", lasts=8.0)
-    record("hung decoder (8 s)", res, rec, seen, f"its streams moved after {STALL_BOUND_S:g} s of silence (stall "
-           "bound), its first-byte waits when its breaker opened; recover = fault cleared -> re-admitted")
+    res, rec, seen, adm = injected(box, "decode-2", "hang", lasts=HANG_S)
+    record(f"hung decoder ({HANG_S:g} s)", res, rec, seen, f"its streams moved after {STALL_BOUND_S:g} s of silence "
+           "(stall bound), its first-byte waits when its breaker opened; recover = fault cleared -> re-admitted")
     check_invariants("hung decoder", res)
     assert res["ok"] == res["sent"], res
     assert res["migrated"] > 0, res
-    # a request waits at most the stall bound plus the time to continue it, not the 8 s hang
-    assert res["max_s"] < STALL_BOUND_S + 6.0, res
+    # a request waits at most the stall bound plus the time to continue it (~8 s), not the 30 s hang: 20 s tells
+    # the two apart on a busy machine (the 8 s hang this used to be left 3 s between them)
+    assert res["max_s"] < STALL_BOUND_S + 15.0, res
     READMIT["hung decoder"] = (round(adm, 1), TRAILS["decode-2"])
     assert seen, "pdctl status never showed the hung decoder"
 
@@ -294,7 +297,7 @@ def test_decoder_dies_mid_stream(box):
     assert res["ok"] == res["sent"], res
 
 
-def test_readmitted_within_10s_of_healthy(box):
+def test_readmitted_within_30s_of_healthy(box):
     assert READMIT, "no restart was measured"
     slow = {k: v for k, v in READMIT.items() if v[0] > READMIT_S}
     assert not slow, slow

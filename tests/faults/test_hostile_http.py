@@ -250,16 +250,19 @@ def test_hostile_request_gets_its_exact_answer(stack, name):
 def test_idle_keepalive_connection_is_closed(stack):
     s = socket.create_connection(("127.0.0.1", stack.plan.proxy.port), timeout=30)
     try:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        t0 = time.monotonic()                                 # before the request: the proxy's idle timer starts
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")   # after it, so it cannot end sooner than this
         buf = b""
         while not _responses(buf)[0]:
             buf += s.recv(65536)
-        t0 = time.monotonic()
         assert s.recv(65536) == b""                           # closed by the proxy, without another answer
         took = time.monotonic() - t0
     finally:
         s.close()
-    assert LIMITS["keepalive_timeout_s"] - 0.5 < took < LIMITS["keepalive_timeout_s"] + 3, took
+    # lower bound: the proxy's own timer (no machine speed makes it shorter); upper: ~3.0 s normally, 20 s more
+    # only fails a proxy that does not close idle connections (the socket's 30 s time-out would raise first)
+    print(f"idle keep-alive connection closed {took:.2f} s after its request")
+    assert LIMITS["keepalive_timeout_s"] - 0.05 < took < LIMITS["keepalive_timeout_s"] + 20, took
 
 
 def test_connections_beyond_max_connections_get_503_then_close(stack):
@@ -268,7 +271,8 @@ def test_connections_beyond_max_connections_get_503_then_close(stack):
     try:
         for _ in range(cap):
             held.append(socket.create_connection(("127.0.0.1", stack.plan.proxy.port), timeout=10))
-        time.sleep(0.3)
+        # no sleep: the listen backlog is first in, first out, so the proxy accepts the held ones before this one;
+        # what bounds the test is header_timeout_s (1.5 s) closing the held ones, ~15x the ~0.1 s this takes
         got, closed = exchange(stack, post("/v1/completions", GOOD))
         assert [g[0] for g in got] == [503] and closed, got
         err = json.loads(got[0][2])["error"]
@@ -291,12 +295,14 @@ def test_slow_clients_do_not_starve_others(stack):
             socks.append(s)
         t0 = time.monotonic()
         still_serving(stack)
-        assert time.monotonic() - t0 < 10
+        print(f"a normal request beside 100 stalled ones: {time.monotonic() - t0:.2f} s")
+        assert time.monotonic() - t0 < 10          # ~0.1 s (the stalled ones' 408s come at 1.5 s): a hang bound
         answers = []
         for s in socks:
             answers.append(status_of(read_to_close(s)))
         assert answers == [408] * 100, sorted(set(answers))
-        assert time.monotonic() - t0 < LIMITS["header_timeout_s"] + 10
+        print(f"all 100 stalled ones answered 408 after {time.monotonic() - t0:.2f} s")
+        assert time.monotonic() - t0 < LIMITS["header_timeout_s"] + 30     # ~2 s: a hang bound
     finally:
         for s in socks:
             s.close()

@@ -129,6 +129,7 @@ def test_kill9_under_load_refuses_nobody(box):
     time.sleep(INJECT_AT)
     t0 = time.monotonic()
     box.run(["kill", "-9", str(main_pid(box, PROXY))], check=True)
+    t_killed = time.monotonic()                    # the signal was sent: nothing sent after this reaches the process
     box.wait_show(PROXY, timeout=60, ActiveState="active", NRestarts=str(before + 1))
     assert wait_until(lambda: ready(box), 30), "proxy not ready within 30 s of its kill"
     recover = time.monotonic() - t0
@@ -139,7 +140,10 @@ def test_kill9_under_load_refuses_nobody(box):
     assert res["refused"] == 0 and res["other"] == 0, f"connections were refused or failed: {res}"
     assert res["silent"] == 0 and res["done_after_error"] == 0, res
     assert res["ok"] + res["cut"] == res["sent"], res
-    assert res["cut"] <= LOAD_RPS * 2, res         # only what was in flight (16-token streams last < 2 s)
+    # only what was in flight is cut: every cut request was sent before the kill (the container's monotonic clock
+    # is the host's). An order of events, not "streams last < 2 s", which a busy machine stretches
+    assert len(res["cut_started"]) == res["cut"] and all(s < t_killed for s in res["cut_started"]), \
+        (t_killed, res["cut_started"])
 
 
 def test_apply_of_a_proxy_setting_reloads_without_a_restart(box):
@@ -224,7 +228,9 @@ def test_kv_server_frozen_past_its_watchdog_is_restarted_and_hits_resume(box):
            f"aborted by the watchdog and restarted after {t_restarted:.0f} s, serving after {t_serving:.0f} s; "
            f"shared-prefix KV hit rate after it {rate:.0%}; bound on any request {bound:g} s")
     assert any("Watchdog timeout" in m for m in journal), journal[-10:]
-    assert t_restarted < KV_WATCHDOG_S * 2 + restart_sec + 10, t_restarted
+    # restarted by the watchdog (the journal line above, a state) within ~14 s; the bound is the wait's own
+    # (KV_WATCHDOG_S x 3 + 30), as a bound on a hang, not on the machine's speed
+    assert t_restarted < KV_WATCHDOG_S * 3 + 30, t_restarted
     assert "crashed" not in res and res["silent"] == 0 and res["done_after_error"] == 0, res
     assert res["refused"] == 0 and res["cut"] == 0, res
     assert res["max_s"] is not None and res["max_s"] < bound, f"a request waited {res['max_s']} s (> {bound:g} s)"

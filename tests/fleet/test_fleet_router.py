@@ -54,7 +54,7 @@ def test_router_routes_around_a_dead_box_and_status_sees_both(box, tmp_path, cap
                     assert r.text.rstrip().endswith("data: [DONE]")
         assert codes == [200] * 8, log.read_text()[-2000:]
         # the router's own health checks take the dead box out (2 failures x 2 s)
-        for _ in range(50):
+        for _ in range(300):                   # ~4 s; up to 60 s
             m = metrics(fleet.router.metrics_url)
             if per_worker(m, C.ROUTER_WORKER_HEALTH).get(dead.url) == 0:
                 break

@@ -39,19 +39,21 @@ def _plan(n: int = 2):
 
 def test_watch_polls_off_the_caller_thread_and_keeps_the_latest_view():
     plan = _plan()
-    threads, gate = [], threading.Event()
+    threads, gate, returned = [], threading.Event(), threading.Event()
 
     def collect_fn(fleet, api_key=None, timeout=2.0):
         threads.append(threading.current_thread().name)
-        gate.wait(5)                                       # a slow round must not block latest()
+        gate.wait(60)                                      # a slow round must not block latest()
+        returned.set()
         return FleetView(fleet.router.url, "ok", (), router_retries=float(len(threads)))
 
     w = FleetWatch(plan, api_key="k", interval=0.05, collect_fn=collect_fn).start()
     try:
-        t0 = time.monotonic()
-        assert w.latest() is None and time.monotonic() - t0 < 0.5
+        # latest() answered while the first round was still inside collect_fn: it did not wait for it (an order
+        # of events, not a time: a latest() that waited would return only after the round, 60 s later)
+        assert w.latest() is None and not returned.is_set()
         gate.set()
-        for _ in range(100):
+        for _ in range(600):                               # up to 30 s for 3 rounds of 0.05 s
             if w.rounds >= 3:
                 break
             time.sleep(0.05)
@@ -67,19 +69,21 @@ def test_watch_polls_off_the_caller_thread_and_keeps_the_latest_view():
 
 
 def test_stop_does_not_wait_for_a_round_stuck_in_timeouts_and_that_round_publishes_nothing():
-    gate, entered = threading.Event(), threading.Event()
+    gate, entered, returned = threading.Event(), threading.Event(), threading.Event()
 
     def collect_fn(fleet, api_key=None, timeout=2.0):
         entered.set()
-        gate.wait(10)
+        gate.wait(60)
+        returned.set()
         return FleetView(fleet.router.url, "ok", ())
 
     w = FleetWatch(_plan(), interval=0.05, collect_fn=collect_fn).start()
-    assert entered.wait(5)
+    assert entered.wait(30)
     thread = w._thread
     t0 = time.monotonic()
     w.stop(timeout=0.2)
-    assert time.monotonic() - t0 < 1.0
+    assert not returned.is_set()                           # stop() came back while the round was still stuck
+    assert time.monotonic() - t0 < 30                      # ~0.2 s; the stuck round holds 60 s: a hang bound
     gate.set()
     thread.join(5)
     assert not thread.is_alive() and w.latest() is None and w.rounds == 0

@@ -232,6 +232,13 @@ def test_two_boxes_prefix_affinity_and_failover(tmp_path):
                 "ttft_max_after_stop_s": round(max(ttft_after), 3) if ttft_after else None,
                 "served_by_b_after_stop": round(b_ok[-1] - b_ok[0]) if b_ok else 0,
             }
+            # nothing lands on the stopped box afterwards: what it still completes is what it drains (4 closed-loop
+            # clients: at most 4 in flight, a few more in the moment between the mark and the SIGTERM); a box
+            # that kept serving would complete dozens in the 10 s left. A count, not a time: a busy machine
+            # drains slower, not more (the time is printed: last_success_on_stopped_box_s_after_stop)
+            a_at_stop = max((v for t, v in a_ok if t <= stop_at), default=0)
+            a_after = (a_ok[-1][1] if a_ok else 0) - a_at_stop
+            results["failover"]["completed_on_stopped_box_after_stop"] = a_after
             stop(ca_proc)
             print("\nFLEET RESULTS " + json.dumps(results, indent=2))
             if os.environ.get("PDCTL_FLEET_RESULTS"):
@@ -239,7 +246,7 @@ def test_two_boxes_prefix_affinity_and_failover(tmp_path):
             assert pre_byte_errors == [], pre_byte_errors[:5]
             assert all(r["done"] for r in after if r["t"] > stop_at + 0.5), [r for r in after if not r["done"]][:5]
             assert len(after) >= 4 and results["failover"]["served_by_b_after_stop"] >= 4
-            assert last_a - stop_at < 6.0, results["failover"]   # nothing lands on the stopped box afterwards
+            assert a_after <= 12, results["failover"]
         finally:
             for p in runners.values():
                 if p.poll() is None:

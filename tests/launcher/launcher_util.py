@@ -46,7 +46,9 @@ class NotifyListener:
                 return t
         return None
 
-    def wait_for(self, key: str, value: str | None = None, timeout: float = 10.0) -> float:
+    def wait_for(self, key: str, value: str | None = None, timeout: float = 30.0) -> float:
+        """Receive time of the first ``key`` (``=value``) message; waits for it (30 s: READY follows a process
+        start, ~1 s here, longer on a busy machine)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             t = self.first(key, value)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -11,7 +12,7 @@ import pytest
 from launcher_util import REPO, free_port, make_plan, start_launcher
 
 
-def _gone(pid: int, timeout: float = 5.0) -> bool:
+def _gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -35,11 +36,11 @@ def test_status_extend_ready_watchdog_then_sigterm(tmp_path, notify, launched):
     t0 = time.monotonic()
     p = start_launcher(plan, notify, watchdog_usec=600_000)
     launched.append(p)
-    t_ready = notify.wait_for("READY", "1", timeout=15)
-    assert t_ready - t0 >= 1.5, "READY=1 must wait for /health 200, not for the port to open"
+    t_ready = notify.wait_for("READY", "1", timeout=30)
+    assert t_ready - t0 >= 1.5, "READY=1 must wait for /health 200, not for the port to open"   # the engine's 1.5 s
     loading = [s for s in notify.values("STATUS") if s.startswith("loading model toy/model")]
     assert loading, notify.messages
-    assert any(", 1 s" in s or ", 0 s" in s for s in loading)            # elapsed seconds in the text
+    assert any(re.search(r", \d+ s \(", s) for s in loading), loading   # elapsed seconds in the text (any value)
     t_extend = notify.first("EXTEND_TIMEOUT_USEC")
     assert t_extend is not None and t_extend < t_ready
     assert int(notify.values("EXTEND_TIMEOUT_USEC")[0]) == 30_000_000
@@ -47,7 +48,9 @@ def test_status_extend_ready_watchdog_then_sigterm(tmp_path, notify, launched):
     assert ready_msg["STATUS"] == f"serving toy as prefill on 127.0.0.1:{port} (GPU 0)"
     first_wd = notify.first("WATCHDOG", "1")
     assert first_wd is None or first_wd >= t_ready
-    time.sleep(1.0)                                                       # period 0.3 s -> several pings
+    deadline = time.monotonic() + 30                                      # period 0.3 s -> several pings (~0.6 s)
+    while len([m for _t, m in notify.messages if m.get("WATCHDOG") == "1"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     wd_times = [t for t, m in notify.messages if m.get("WATCHDOG") == "1"]
     assert len(wd_times) >= 2 and min(wd_times) >= t_ready
 
@@ -68,7 +71,7 @@ def test_watchdog_pings_stop_while_unhealthy_and_resume(tmp_path, notify, launch
     time.sleep(0.5)
     sick.write_text("")
     notify.wait_for("STATUS", None)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not any(s.startswith("unhealthy") for s in notify.values("STATUS")):
         time.sleep(0.05)
     t_sick = time.monotonic()
@@ -79,7 +82,7 @@ def test_watchdog_pings_stop_while_unhealthy_and_resume(tmp_path, notify, launch
     assert any("watchdog pings stopped" in s for s in notify.values("STATUS"))
     sick.unlink()
     t_well = time.monotonic()
-    deadline = t_well + 5
+    deadline = t_well + 30
     while time.monotonic() < deadline and not [t for t, m in notify.messages if m.get("WATCHDOG") == "1" and t > t_well]:
         time.sleep(0.05)
     assert [t for t, m in notify.messages if m.get("WATCHDOG") == "1" and t > t_well], "pings resume when healthy"
@@ -146,9 +149,9 @@ def test_load_timeout_stops_engine_and_fails(tmp_path, notify, launched):
     t0 = time.monotonic()
     p = start_launcher(plan, notify, "--load-timeout", "2", "--probe-timeout", "0.3")
     launched.append(p)
-    out, _ = p.communicate(timeout=20)
+    out, _ = p.communicate(timeout=55)
     assert p.returncode == 1, out
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 45        # ~3 s: gave up at the 2 s load timeout, not after the engine's 60 s load
     assert notify.first("READY") is None
     # hanging /health is "starting", and the status says so
     assert any("did not answer within 0.3 s" in s for s in notify.values("STATUS")), notify.values("STATUS")
@@ -164,8 +167,10 @@ def test_engine_ignoring_sigterm_is_killed_after_grace(tmp_path, notify, launche
     notify.wait_for("READY", "1")
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=15)
-    assert 0.9 <= time.monotonic() - t0 < 8
+    out, _ = p.communicate(timeout=30)
+    # >= the 1 s grace (the launcher's own timer: no machine speed shortens it); ~1.1 s normally, and < 20 s
+    # tells --stop-grace 1 from the 60 s default on any machine
+    assert 0.9 <= time.monotonic() - t0 < 20
     assert p.returncode == -signal.SIGKILL, out
     assert "ignored SIGTERM" in out
 
@@ -229,6 +234,6 @@ def test_status_names_the_kv_server_when_it_does_not_answer(tmp_path, notify, la
     plan.write_text(_json.dumps(d))
     p = start_launcher(plan, notify)
     launched.append(p)
-    notify.wait_for("READY", "1", timeout=20)
+    notify.wait_for("READY", "1", timeout=30)
     loading = [s for s in notify.values("STATUS") if s.startswith("loading model")]
     assert any("the KV server is not answering" in s and "/healthcheck" in s for s in loading), loading

@@ -35,7 +35,7 @@ class EngineProc:
 
     def wait(self) -> "EngineProc":
         pf = self.port_file
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30          # a process start (~0.5 s; longer on a busy machine)
         while not os.path.exists(pf):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("stand-in engine did not start")

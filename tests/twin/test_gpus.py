@@ -15,7 +15,7 @@ def test_engine_activity_drives_samples(procs, tmp_path):
     state = tmp_path / "gpu-1.json"
     port, proc = procs.engine("both", None, "--gpu-index", "1", "--state-file", str(state))
     inv = detect("twin:2xA100-80GB")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30                  # written every 0.5 s
     while not state.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     idle = {s.index: s for s in gpus.read_samples(tmp_path, inventory=inv)}
@@ -28,12 +28,14 @@ def test_engine_activity_drives_samples(procs, tmp_path):
     t = subprocess.Popen([sys.executable, "-c", f"import httpx; httpx.post('http://127.0.0.1:{port}/v1/completions', "
                           f"json={body!r}, timeout=30)"], cwd=ROOT)
     busy = []
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30                  # samples while the request runs (~1.5 s + the client's start)
     while t.poll() is None and time.monotonic() < deadline:
         time.sleep(0.3)
         busy += [s.util_pct for s in gpus.read_samples(tmp_path) if s.index == 1]
     t.wait(timeout=30)
-    assert max(busy) > 50
+    # utilisation = the steps' model time over the wall time of a 0.5 s sample: ~100 % while it decodes, 0 idle. A
+    # busy machine stretches the wall time between steps (lower %), so the bound only tells busy from idle
+    assert max(busy) > 25, busy
     s = gpus.read_samples(tmp_path)[0]
     assert s.power_w <= s.power_limit_w and s.temp_c >= gpus.AMBIENT_C
 

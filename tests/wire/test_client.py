@@ -147,7 +147,10 @@ async def test_a_stream_is_read_as_it_comes_and_reading_pauses_under_backpressur
     sc, port = await scripted(stream)
     pool = Pool("127.0.0.1", port)
     conn = await pool.request("GET", "/", b"", None, 2.0)
-    await asyncio.sleep(0.5)                       # the engine keeps sending; we read nothing
+    for _ in range(600):                           # the engine keeps sending; we read nothing (paused in ms)
+        if conn.paused:
+            break
+        await asyncio.sleep(0.05)
     assert conn.paused and conn.pending_bytes <= 2 * 1024 * 1024
     total = 0
     while True:
