@@ -1,5 +1,8 @@
 """CPU cost of watching the box: collector alone, collector + TUI, and a bare Textual app, in one run.
 
+Question: what share of one core does watching the box cost: the collector alone (target <= 1 %), and with the TUI?
+Baseline, same run: (c) below, a bare Textual app drawing the same widgets; (b) is held to <= 1.5x of it.
+
 Setup (8 twin GPUs, 10 units): 8 workers + KV server + proxy. Their endpoints are served by a separate
 process (not counted) with real-looking text: the real vLLM 0.32 CPU scrape for every worker, LMCache
 MP names for the KV server, pdctl proxy names for the proxy. Twin GPU state files for 8 H200s are
@@ -126,7 +129,7 @@ def serve(ports_file: str, state_dir: str) -> None:
 
 
 def plan_for(ports: dict):
-    from appliance.plan import Plan
+    from appliance.plan.types import Plan
     workers = [{"instance": ("prefill" if i < 2 else "decode") + f"-{i if i < 2 else i - 2}", "role":
                 "prefill" if i < 2 else "decode", "gpus": [i], "port": ports[f"w{i}"], "argv": ["x"], "env": {}}
                for i in range(N_GPUS)]

@@ -1,5 +1,9 @@
 """Where the adaptive policy's default thresholds come from: a sweep on the twin, printed.
 
+Question: which ``aggregate_max_uncached`` and ``consumer_max_uncached`` give the best worst-case goodput?
+Baseline, same run: the shipped default's row of the same sweep (printed beside the pick); each value's goodput
+is normalised to the best of the sweep.
+
 ``aggregate_max_uncached`` (aggregate while at most this many prompt tokens are uncached, split above) is
 swept on the family where it decides the most, the hybrid 1 prefill + 2 both on 3 x A100-80GB
 (DeepSeek-V2-Lite), for the policy study's workloads A (seed P50: 1,869 uncached) and B (half A, half
@@ -20,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from appliance.decide import Thresholds  # noqa: E402
-from appliance.families import plan_workload  # noqa: E402
+from appliance.policy.decide import Thresholds  # noqa: E402
+from appliance.plan.families import plan_workload  # noqa: E402
 
 import policy_study as ps  # noqa: E402
 

@@ -1,5 +1,9 @@
 """What vllm-router 0.1.17 does when a box refuses (503 or 429 + Retry-After), with the fleet plan's router flags.
 
+Question: does a box's refusal behind vllm-router spill to a box with room, or turn into retries and an open breaker?
+Baseline, same run: the same scenarios with the boxes refusing 429 instead of 503, and ``capacity 0.7x`` (below the
+two boxes' capacity) beside ``capacity 1.5x``.
+
 Issue 28 point 8: past one box, a box's admission refusals (HTTP 503, ``Retry-After``, OpenAI's error body with code
 ``server_overloaded``) should spill to a box with room, not turn into a retry storm. This runs the real router
 binary (``vllm-router``, PyPI 0.1.17, benchmark-only) on loopback in front of two stand-in boxes written here (a
@@ -50,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from appliance.fleet.plan import Node, make_fleet_plan  # noqa: E402  (after the path)
-from appliance.localproc import free_port, stop_all, wait_http  # noqa: E402
+from appliance.stack.localproc import free_port, stop_all, wait_http  # noqa: E402
 from tests.fleet.routerproc import metrics as router_metrics  # noqa: E402  (the router's /metrics by sample)
 
 MODEL = "tiny"

@@ -2,7 +2,7 @@
 
 Question: past the rate the box holds, today's proxy admits every request into the engines' unbounded
 first-come-first-served queues, every request waits behind all the others and the share within the SLOs falls to
-nothing. Does ``[admission] mode = "slo"`` (``appliance/admit.py``: start a request only while its predicted TTFT
+nothing. Does ``[admission] mode = "slo"`` (``appliance/policy/admit.py``: start a request only while its predicted TTFT
 and its worker's TPOT stay within the SLOs, hold the rest briefly in the proxy's bounded queue, refuse at once
 what cannot make its deadline) keep the good requests per second near the box's goodput rate instead?
 
@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from appliance.admit import Policy  # noqa: E402
-from appliance.families import plan_workload  # noqa: E402
+from appliance.policy.admit import Policy  # noqa: E402
+from appliance.plan.families import plan_workload  # noqa: E402
 from appliance.twin.simulator import simulate  # noqa: E402
 from benchmarks.policy_study import WORKLOADS, goodput, variants  # noqa: E402
 

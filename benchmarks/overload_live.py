@@ -2,7 +2,12 @@
 ``pdctl bench`` and by a load generator nobody here wrote (guidellm, from PyPI), in the same run, against the same
 stack; both tools' good req/s beside the twin's prediction, and every refusal's ``Retry-After`` checked.
 
-What runs, in order (one stack, started as ``pdctl demo --no-tui`` starts it: ``appliance.stack.start_twin_stack``,
+Question: past capacity, do two load generators (``pdctl bench`` and one written elsewhere) see the good req/s the
+twin predicts, and does every refusal carry Retry-After?
+Baseline, same run: the twin simulator's prediction for the stack's own plan, rate, arrival count and seed, and each
+tool against the other.
+
+What runs, in order (one stack, started as ``pdctl demo --no-tui`` starts it: ``appliance.stack.twin_stack.start_twin_stack``,
 the default plan for ``--gpus``, twin engines in real time):
 1. the twin's prediction: the simulator (``appliance/twin/simulator.py``, the proxy's own ``decide()`` and
    ``judge()``) runs the stack's plan at ``--multiple`` x the plan's predicted goodput G, the same number of
@@ -47,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from appliance.config_schema import default as _d  # noqa: E402  (after the path)
+from appliance.settings.schema import default as _d  # noqa: E402  (after the path)
 
 GUIDELLM = "guidellm==0.8.1"          # the version this script was written against
 SLO_TTFT_S = _d("workload", "ttft_slo_s")
@@ -110,8 +115,8 @@ def drain(stack, timeout: float = 120.0) -> None:
 
 def predict(plan, model: str, rate: float, n: int, seed: int) -> dict:
     """The twin simulator on the stack's plan at ``rate``: admitted, refused, good and goodput."""
-    from appliance.families import plan_workload
-    from appliance.planner import Workload
+    from appliance.plan.families import plan_workload
+    from appliance.plan.planner import Workload
     from appliance.proxy.config import admission_from_plan
     from appliance.twin.simulator import simulate
     p, d, b = (len(plan.by_role(r)) for r in ("prefill", "decode", "both"))
@@ -229,7 +234,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from appliance.bench.workload import load_profile
-    from appliance.stack import start_twin_stack
+    from appliance.stack.twin_stack import start_twin_stack
     out = args.out or Path(tempfile.mkdtemp(prefix="overload-live-"))
     out.mkdir(parents=True, exist_ok=True)
     exe = tok = None

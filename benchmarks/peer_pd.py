@@ -1,9 +1,14 @@
 """pdctl vs vllm-router's PD mode, live: the same twin engines, the same KV server kind, the same `pdctl bench`.
 
+Question: at the planner's SLOs, what goodput does pdctl's default plan deliver on 3 x A100 (twin) against
+vllm-router's PD mode over the seed's 1P2D?
+Baseline, same run: vllm-router 0.1.17 ``--vllm-pd-disaggregation`` (its best policy from a short trial) over the
+same twin engine type, KV server kind and ``pdctl bench`` sweep.
+
 One run on loopback, every process a child in its own process group (ended by PID on exit):
 
 - pdctl: the default plan for the seed P50 profile on 3 x A100-80GB (the planner's family, checked to be
-  all ``both`` = kv_both workers), started by ``appliance.stack`` exactly as ``pdctl demo`` does: a twin KV
+  all ``both`` = kv_both workers), started by ``appliance.stack.twin_stack`` exactly as ``pdctl demo`` does: a twin KV
   server, the twin engines from the plan's argv, ``pdctl proxy --config`` with the plan's (default, adaptive)
   policy and LMCache request telemetry.
 - vllm-router: the seed's 1 prefill + 2 decode twin engines (``twin_plan(prefill=1, decode=2)``: same
@@ -43,10 +48,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from appliance.bench.workload import TWIN_APPROX, Profile, PromptFactory  # noqa: E402  (after the path)
-from appliance.localproc import free_port  # noqa: E402
+from appliance.stack.localproc import free_port  # noqa: E402
 from appliance.wire.fetch import fetch_sync  # noqa: E402
-from appliance.planner import Workload  # noqa: E402
-from appliance.stack import Stack, twin_plan  # noqa: E402
+from appliance.plan.planner import Workload  # noqa: E402
+from appliance.stack.twin_stack import Stack, twin_plan  # noqa: E402
 from benchmarks.proxy_overhead import _router_bin  # noqa: E402
 
 GPUS = "fake:3xA100-80GB"

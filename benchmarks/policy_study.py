@@ -1,6 +1,9 @@
 """Policy study on the twin: the seed's round-robin 1P2D vs static families vs pdctl's default (the plan the
 planner picks + the adaptive per-request policy), same GPUs, same workload, one run.
 
+Question: does pdctl's default (its plan + the adaptive policy) hold more goodput than the seed's 1P2D and than
+static families? Baseline, same run: the seed's round-robin 1P2D on the same GPUs, workload and arrivals.
+
 Stack: 3 x A100-80GB, DeepSeek-V2-Lite, one shared KV server (the seed's headline box), twin simulator
 (``appliance/twin/simulator.py``, which imports the proxy's own decision function). Workloads:
 - A, the seed's P50 profile: 6000 shared + 1869 unique input tokens, 252 output; SLO TTFT p95 <= 2 s,
@@ -30,9 +33,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.inventory import detect  # noqa: E402
-from appliance.models import resolve as resolve_model  # noqa: E402
-from appliance.families import PLAN_PROMPTS, PLAN_WINDOW_S, plan_prompts, plan_workload  # noqa: E402
-from appliance.planner import Overrides, Workload as PlanWorkload, make_plan  # noqa: E402
+from appliance.model.profiles import resolve as resolve_model  # noqa: E402
+from appliance.plan.families import PLAN_PROMPTS, PLAN_WINDOW_S, plan_prompts, plan_workload  # noqa: E402
+from appliance.plan.planner import Overrides, Workload as PlanWorkload, make_plan  # noqa: E402
 from appliance.twin.simulator import simulate  # noqa: E402
 
 LADDER = (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60)

@@ -1,11 +1,15 @@
 """Proxy overhead: TTFT direct-to-decoder vs through pdctl vs through vllm-router, same run, same engines.
 
+Question: what does the proxy add to TTFT, and what does its admission step cost?
+Baseline, same run: ``direct`` (the decoder itself); beside it vllm-router 0.1.17 and ``pdctl-admoff``, all loaded
+in interleaved, rotating slices.
+
 Instant stand-in engines (a lean asyncio HTTP server in its own process: a prefiller and a decoder
 answering at once in vLLM's SSE shape) isolate what the proxy itself adds. Streaming Poisson load at each
 rate from the wire layer's keep-alive HTTP/1.1 client (appliance/wire/client.py, in its own process),
 TTFT = request written -> first ``data:`` chunk read. Every request through a proxy takes both legs (pdctl
 runs with --pd-min-prompt-tokens 0). pdctl runs with its admission step on (``[admission] mode = "slo"``, the
-default: every request is judged by appliance/admit.py before it takes a worker) and, as ``pdctl-admoff``, the same
+default: every request is judged by appliance/policy/admit.py before it takes a worker) and, as ``pdctl-admoff``, the same
 proxy with ``mode = "off"``, so the admission step's own cost is the difference of the two in the same run.
 
     .venv/bin/python benchmarks/proxy_overhead.py                # 60 and 300 req/s, then 600 req/s sustained
@@ -32,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from appliance.localproc import free_port, stop_all, wait_http  # noqa: E402  (after the path)
+from appliance.stack.localproc import free_port, stop_all, wait_http  # noqa: E402  (after the path)
 from appliance.wire.client import Pool, UpstreamError  # noqa: E402
 MODEL = "tiny"
 TOKENS = 4

@@ -1,8 +1,11 @@
 """Soak: a twin stack at the plan's rate for a long while; proxy and collector must stay flat.
 
+Question: do the proxy's and the collector's RSS and open fds stay flat over a long run at the plan's rate?
+Baseline, same run: each one's own first window after warm-up (growth = the last window's mean over it).
+
     .venv/bin/python benchmarks/soak.py --seconds 600 --rate 4
 
-Starts the twin stack (appliance.stack, no systemd), a collector process that ticks like the TUI does
+Starts the twin stack (appliance.stack.twin_stack, no systemd), a collector process that ticks like the TUI does
 (one Snapshot per second, rendered to JSON), and an open-loop client (streaming completions with the
 shared prefix). Every ``--sample`` seconds it records RSS and open fds of the proxy and the collector.
 Growth = mean of the last window over mean of the first window after warm-up; the run passes when
@@ -31,8 +34,8 @@ SPARK = " .:-=+*#%@"
 def collector_child(plan_path: str, seconds: float) -> int:
     """The collector as the TUI runs it: a ticking thread; we read and render every Snapshot."""
     from appliance.collector.collector import Collector
-    from appliance.config import load_plan
-    from appliance.status import render_json
+    from appliance.plan.installed import load_plan
+    from appliance.views.status import render_json
     plan = load_plan(Path(plan_path))
     c = Collector(plan, None, interval=1.0).start()
     errors = 0
@@ -122,7 +125,7 @@ def spark(values: list) -> str:
 def soak(seconds: float, rate: float, every: float, gpus: str, warmup_s: float | None = None,
          window_s: float | None = None, out=print) -> dict:
     import subprocess
-    from appliance.stack import start_twin_stack
+    from appliance.stack.twin_stack import start_twin_stack
     # warm-up covers the collector's history (120 ticks at 1 Hz, kept by design for the TUI's sparklines):
     # until those deques are full its memory grows by construction, which is not a leak
     warmup_s = warmup_s if warmup_s is not None else min(150.0, seconds / 4)

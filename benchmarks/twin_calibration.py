@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Twin calibration, held out: fit the twin's parameters on some measured runs, check it on the others.
 
+Question: how close does the twin's simulator come to measured runs, above all those it was not fitted on?
+Baseline: each case's measured numbers (recorded runs in benchmarks/twin_cases.py; nothing is re-measured here),
+replayed with the same topology, workload, prompt count and, where known, arrival instants.
+
     python benchmarks/twin_calibration.py            # check the shipped parameters on every case
     python benchmarks/twin_calibration.py --fit      # refit from the fit cases first, print the values, then check
     python benchmarks/twin_calibration.py --case p95 # only the cases whose name contains "p95"
@@ -40,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from appliance.models import resolve as resolve_model  # noqa: E402
+from appliance.model.profiles import resolve as resolve_model  # noqa: E402
 from appliance.twin.costmodel import CostModel, prefill_pairs  # noqa: E402
 from appliance.twin.hardware import resolve as resolve_hw  # noqa: E402
 from appliance.twin.params import FITTED_NAMES, PLAUSIBLE, CostParams, check_plausible  # noqa: E402

@@ -1,5 +1,8 @@
 """The measured cases the twin is calibrated on, each marked ``fit`` or ``check`` (benchmarks/twin_calibration.py).
 
+Data, not a benchmark: imported by benchmarks/twin_calibration.py, whose docstring holds the question and the
+command (``python benchmarks/twin_calibration.py``); these measured numbers are its baseline.
+
 Every case is one measured sweep: a topology, a workload, the rates asked, and per rate what the client saw
 (delivered req/s, TTFT p50/p95 s, TPOT p50 ms, E2E p50 s). Sources (each fixture names its run and commands):
 - the seed's published 1P2D table (3x A100-80GB, DeepSeek-V2-Lite; reference/seed-runbooks.md): the only A100
