@@ -7,7 +7,12 @@ engines venv helper in its module) and stops the collection naming each unmarked
 """
 from __future__ import annotations
 
+import os
+
 import pytest
+
+import budgets
+from appliance.stack.localproc import PORT_RANGE_ENV, default_port_range
 
 # fixture that needs it -> marker it demands
 NEEDS = {"systemd_box": "systemd", "engines_venv_dir": "real_engine"}
@@ -21,12 +26,41 @@ def needed_markers(item: pytest.Item) -> set[str]:
     return need
 
 
+def xdist_group(item: pytest.Item) -> str:
+    """The xdist group a test runs in (``--dist loadgroup``, scripts/test.sh): every systemd test in one group
+    and every real-engine test in another, each run one after the other on one worker (they share the nspawn
+    harness, the engines' venv and the cores the engines compute on); any other test with the rest of its
+    module (its module-scoped fixtures, a twin stack, are set up once)."""
+    for marker in ("systemd", "real_engine"):
+        if item.get_closest_marker(marker) is not None:
+            return marker
+    return item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)          # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     missing = []
     for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
         lacking = sorted(m for m in needed_markers(item) if item.get_closest_marker(m) is None)
         if lacking:
             missing.append(f"{item.nodeid}: mark it {', '.join('@pytest.mark.' + m for m in lacking)}")
     if missing:
         raise pytest.UsageError("tests that need real systemd or real engines without their marker (the fast "
                                 "subset would run them):\n  " + "\n  ".join(missing))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    budgets.register(config)          # a module past 2x its run-time budget fails the session (tests/budgets.py)
+    os.environ[PORT_RANGE_ENV] = worker_port_range(getattr(config, "workerinput", {}).get("workerid", ""))
+
+
+def worker_port_range(worker_id: str, slots: int = 8) -> str:
+    """Each xdist worker (gw0, gw1, ...) picks its servers' ports from its own slice of the range below the
+    kernel's ephemeral ports (appliance.stack.localproc.port_range), so two workers never pick the same port
+    and no outgoing connection takes one; the children the tests start inherit it."""
+    lo, hi = default_port_range()
+    size = (hi - lo) // slots
+    n = int(worker_id[2:]) + 1 if worker_id.startswith("gw") and worker_id[2:].isdigit() else 0
+    start = lo + (n % slots) * size
+    return f"{start}-{start + size}"

@@ -6,6 +6,8 @@ children and must notice a child that died instead of waiting out the whole time
 from __future__ import annotations
 
 import asyncio
+import os
+import random
 import socket
 import subprocess
 import time
@@ -16,11 +18,55 @@ from .. import constants as C
 from ..wire.fetch import fetch_sync
 
 
+PORT_RANGE_ENV = "PDCTL_PORT_RANGE"     # "LO-HI": where free_port picks (tests give each xdist worker its own)
+PORTS_FLOOR = 10000                     # below the kernel's ephemeral range, above the well-known services
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def port_range() -> tuple[int, int]:
+    """[lo, hi) where this process picks its servers' ports: ``$PDCTL_PORT_RANGE``, else the ports below the
+    kernel's ephemeral range. Why not the port the kernel hands out for port 0: those come from the ephemeral
+    range, where every outgoing connection takes its local port too, so a port found free and bound a moment
+    later by a child server could be taken by any connect() in between; below that range only an explicit bind
+    can take it."""
+    spec = os.environ.get(PORT_RANGE_ENV, "")
+    try:
+        lo, hi = (int(x) for x in spec.split("-"))
+        if 1024 <= lo < hi <= 65536:
+            return lo, hi
+    except ValueError:
+        pass
+    return default_port_range()
+
+
+def default_port_range() -> tuple[int, int]:
+    return PORTS_FLOOR, max(PORTS_FLOOR + 1000, _ephemeral_low())
+
+
+def free_port_run(count: int = 1, host: str = C.LOOPBACK) -> int:
+    """First port of ``count`` consecutive ports free on ``host`` now, from ``port_range()`` (random start)."""
+    lo, hi = port_range()
+    for _ in range(500):
+        base = random.randrange(lo, hi - count)
+        try:
+            for p in range(base, base + count):
+                with socket.socket() as s:          # no SO_REUSEADDR: a port in TIME_WAIT does not count as free
+                    s.bind((host, p))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no run of {count} free ports on {host} in {lo}-{hi} (${PORT_RANGE_ENV})")
+
+
 def free_port(host: str = C.LOOPBACK) -> int:
-    """A port the kernel just handed out on ``host`` (free now; callers bind it soon after)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on ``host`` now, from ``port_range()``; the caller's server binds it soon after."""
+    return free_port_run(1, host)
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,26 +22,7 @@ from ..model.profiles import resolve as resolve_model
 from ..plan.planner import Overrides, Workload, make_plan
 from ..plan.types import Plan
 from ..settings.schema import default as _d
-from .localproc import wait_http
-
-
-def free_port_run(count: int, start: int = 20000, stop: int = 60000) -> int:
-    """First port of ``count`` consecutive free loopback ports (randomised start to avoid races)."""
-    import random
-    base = random.randrange(start, stop - count)
-    for _ in range(200):
-        ok = True
-        for p in range(base, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind((C.LOOPBACK, p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-        base = random.randrange(start, stop - count)
-    raise RuntimeError(f"no run of {count} free loopback ports found")
+from .localproc import free_port_run, wait_http
 
 
 def twin_plan(gpus: str, model: str, workdir: Path, prefill: int = 0, decode: int = 0,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,14 @@ import pytest
 from appliance.collector import Collector, NoUnits, twin_sampler
 from appliance.inventory import detect, is_na
 from appliance.plan.types import Plan
+from appliance.stack.localproc import free_port
 from appliance.views.status import render_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 @pytest.fixture

@@ -137,7 +137,9 @@ class Clients:
             s.close()
         if got.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in got and got.endswith(b"0\r\n\r\n"):
             return "ok"
-        return "cut" if got.startswith(b"HTTP/1.1 200") else f"other:{got[:120]!r}"
+        if got == b"" or got.startswith(b"HTTP/1.1 200"):
+            return "cut"        # the process that held the connection died before or while answering it
+        return f"other:{got[:120]!r}"
 
     def run(self) -> None:
         while not self.stop.is_set():

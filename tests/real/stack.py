@@ -24,6 +24,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import constants as C
+from appliance.stack.localproc import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ENGINES_VENV = REPO / ".venv-engines"
@@ -56,21 +57,18 @@ def engines_venv_or_skip() -> Path:
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (held open together so they differ), closed again when this returns.
+    """n distinct loopback ports free now, from the range below the kernel's ephemeral ports
+    (appliance.stack.localproc.port_range: no outgoing connection takes one before the server binds it).
 
-    Free *now* only: any other process (or an outgoing connection's ephemeral port) may take one before the
-    server binds it. Servers that can take a socket get one from ``held_sockets`` instead; for those that bind
-    themselves (LMCache, vLLM) ``start_on_probed_ports`` retries on ``port_taken``."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    Free *now* only: another process's explicit bind may still take one first. Servers that can take a socket get
+    one from ``held_sockets`` instead; for those that bind themselves (LMCache, vLLM) ``start_on_probed_ports``
+    retries on ``port_taken``."""
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
 
 
 def held_sockets(n: int) -> list[socket.socket]:
