@@ -46,7 +46,7 @@ def _wait_for_a_proxy_scrape_after(internal_port: int, since: float, timeout: fl
 
 @pytest.fixture
 def demo():
-    p = subprocess.Popen([sys.executable, "-m", "appliance", "demo", "--no-tui", "--rate", "0.5",
+    p = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "appliance", "demo", "--no-tui", "--rate", "0.5",
                           "--gpus", "fake:2xH200", "--time-scale", "0.05"], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -58,11 +58,15 @@ def demo():
     finally:
         os.killpg(p.pid, signal.SIGINT)
         try:
-            p.wait(30)
+            p.wait(60)                  # it stops in ~0.2 s: 60 s is a hang
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-    assert p.returncode == 0, p.stderr.read()[-2000:]
+            os.kill(p.pid, signal.SIGABRT)      # faulthandler prints every thread's stack: where it hangs
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+    assert p.returncode == 0, p.stderr.read()[-6000:]
 
 
 def test_demo_hit_rate_agrees_across_kv_server_engines_and_proxy(demo):

