@@ -20,7 +20,7 @@ log = logging.getLogger("pdctl.wire")
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _MAX_URL_BYTES = 16 * 1024
 _PIPELINE_DEPTH = 32
-_LINGER_S = 1.0            # a refused connection is closed this long after its 503 (the client reads it first)
+_LINGER_S = 1.0            # a refused or rejected connection is closed this long after its answer (read first)
 IDLE, HEAD, BODY = 0, 1, 2  # where a connection is in reading its next request
 _NO_BODY = (204, 304)       # answers that never carry a body (nor, for 204, a Content-Length)
 
@@ -284,16 +284,28 @@ class Connection(asyncio.Protocol):
 
     # --- serving ------------------------------------------------------------------------------
     def _reject(self, status: int, message: str, code: str = "invalid_request") -> None:
-        """Answer at once and close: the rest of this connection's bytes cannot be trusted."""
+        """Answer at once and close: the rest of this connection's bytes cannot be trusted.
+
+        A lingering close, as for a refusal (and nginx's lingering_close): the answer, then our end of the stream
+        (FIN), then the close _LINGER_S later, reading and dropping what the client still sends meanwhile. Closed
+        at once, a socket with unread bytes (a client still sending its head or body) answers them with a reset,
+        which can reach the client before it has read the answer: it would see a reset instead of the 408/413."""
         if self.rejected or self.dead:
             return
         self.rejected = self.dead = True
         self.server.stats[f"rejected_{status}"] += 1
         body = self.server.error_body(status, message, code)
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(_head(status, {"Content-Type": "application/json", "Content-Length": len(body)},
-                                       b"Connection: close\r\n") + body)
-            self.transport.close()
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.write(_head(status, {"Content-Type": "application/json", "Content-Length": len(body)},
+                          b"Connection: close\r\n") + body)
+            try:
+                if t.can_write_eof():
+                    t.write_eof()
+            except (OSError, RuntimeError):
+                t.close()
+                return
+            self.server.loop.call_later(_LINGER_S, t.close)
 
     async def send(self, data: bytes) -> None:
         if self.closed:
