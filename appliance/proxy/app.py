@@ -16,6 +16,7 @@ import time
 from collections import Counter
 
 from ..wire.server import Server
+from ..wire.tasks import cancel_and_wait
 from . import lifecycle, routes, warmup
 from . import stored_responses as SR
 from .admission import Gate
@@ -123,9 +124,7 @@ class ProxyServer:
         return list(await asyncio.gather(*(s.drain(timeout_s) for s in self._servers)))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         await self.watcher.stop()
         for s in self._servers:
             await s.stop()

@@ -11,6 +11,7 @@ from .. import constants as C
 from .. import metric_names as N
 from ..wire.client import UpstreamError, UpstreamTimeout
 from ..wire.prom import parse_metrics
+from ..wire.tasks import cancel_and_wait
 
 log = logging.getLogger("pdctl.proxy")
 
@@ -75,9 +76,7 @@ class Watcher:
             pool.close()
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
 
     async def _get(self, b, path: str, timeout_s: float) -> tuple:
         """(status, body) of one GET on the backend's probe connections (apart from request traffic)."""

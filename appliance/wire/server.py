@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..settings.schema import SCHEMA, schema_fields
+from .tasks import cancel_and_wait
 from .http1 import Connection, Request, Response
 
 __all__ = ["Limits", "Server", "Request", "Response"]
@@ -112,8 +113,7 @@ class Server:
 
     async def stop(self) -> None:
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
+            await cancel_and_wait([self._sweeper])
             self._sweeper = None
         if self.server is not None:
             self.server.close()

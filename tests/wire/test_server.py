@@ -251,3 +251,42 @@ async def test_drain_finishes_in_flight_answers_and_refuses_nothing_it_accepted(
     assert done["cut_at_deadline"] == 0
     w.close()
     idle_w.close()
+
+
+async def test_background_tasks_end_even_when_one_swallows_a_cancellation():
+    """wire.tasks.cancel_and_wait cancels again while a task runs on (Python 3.11's wait_for can swallow a
+    cancellation): a task that ignores the first cancel ends at the second; one that ignores every cancel is
+    returned after the time-out instead of hanging the caller."""
+    import asyncio
+
+    from appliance.wire.tasks import cancel_and_wait
+    swallowed = []
+
+    async def swallows_once():
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(1)
+
+    release = []
+
+    async def never_ends():             # until the test releases it
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if release:
+                    raise
+
+    once = asyncio.ensure_future(swallows_once())
+    await asyncio.sleep(0)
+    assert await cancel_and_wait([once], timeout_s=30) == set()
+    assert once.cancelled() and swallowed == [1]
+    stubborn = asyncio.ensure_future(never_ends())
+    await asyncio.sleep(0)
+    assert await cancel_and_wait([stubborn], timeout_s=0.5) == {stubborn}
+    release.append(1)
+    assert await cancel_and_wait([stubborn], timeout_s=30) == set() and stubborn.cancelled()
