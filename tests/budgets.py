@@ -97,7 +97,7 @@ class BudgetPlugin:
         self.seconds[module] += report.duration
         kw = getattr(report, "keywords", {}) or {}
         cls = next((m for m in ("systemd", "real_engine") if m in kw), None) or module_class(report.nodeid)
-        if CLASSES.index(cls) > CLASSES.index(self.classes.get(module, "unit")):
+        if module not in self.classes or CLASSES.index(cls) > CLASSES.index(self.classes[module]):
             self.classes[module] = cls        # a module is of the heaviest class any of its tests is
         if report.when == "teardown":
             self.ran[module] += 1
