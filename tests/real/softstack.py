@@ -13,7 +13,7 @@ import pytest
 
 from .conftest import L1_SIZE_GB, START_TIMEOUT_S, _all_warm as all_warm
 from tests.waits import wait_until
-from .stack import REPO, TelemetrySink, free_ports, held_sockets, port_of, start_on_probed_ports
+from .stack import REPO, RealStack, TelemetrySink, free_ports, held_sockets, port_of, start_on_probed_ports
 
 
 def _free_port_pair() -> int:
