@@ -114,13 +114,19 @@ main() {
   local pipopts=(--disable-pip-version-check -q)
   [ -n "$wheelhouse" ] && pipopts+=(--no-index --find-links "$wheelhouse")
   info "installing pdctl into $prefix"
-  local piplog; piplog=$(mktemp)
-  if ! "$prefix/bin/python" -m pip install "${pipopts[@]}" "$here" >"$piplog" 2>&1; then
+  # pip builds a source tree in place (build/ and pdctl.egg-info, owned by root, left in the operator's checkout;
+  # two installs from one tree at once would share them): it builds a private copy of what the package holds
+  local piplog src; piplog=$(mktemp); src=$(mktemp -d)
+  local part
+  for part in pyproject.toml README.md appliance tui units etc; do
+    cp -r "$here/$part" "$src/" || { rm -rf "$src" "$piplog"; fatal 1 "cannot copy $here/$part to $src to build pdctl"; }
+  done
+  if ! "$prefix/bin/python" -m pip install "${pipopts[@]}" "$src" >"$piplog" 2>&1; then
     grep -v '^WARNING: Location' "$piplog" | tail -40 >&2
-    rm -f "$piplog"
+    rm -rf "$piplog" "$src"
     fatal 1 "pip could not install pdctl into $prefix (its output is above)"
   fi
-  rm -f "$piplog"
+  rm -rf "$piplog" "$src"
   "$prefix/bin/python" -c 'import appliance' || fatal 1 "pdctl did not install into $prefix (see the pip output above)"
 
   # --- the pdctl install arguments (preflight, then the real run) ---------------------------------
