@@ -25,8 +25,8 @@ if [ "${PDCTL_SKIP_ENGINES:-0}" != 1 ]; then
 fi
 
 export PYTHONDONTWRITEBYTECODE=1
-# PDCTL_TEST_WORKERS pytest-xdist workers (default 3 on any machine: the systemd tests run one after the other on one
-# worker, the real-engine tests on another, the rest spread over all; tests/conftest.py groups them); 0 = no xdist.
+# PDCTL_TEST_WORKERS pytest-xdist workers (default 3 on any machine: the real-engine tests run one after the other on
+# one worker, the systemd tests in two groups, the rest spread over all; tests/schedule.py groups them); 0 = no xdist.
 workers="${PDCTL_TEST_WORKERS:-3}"
 xdist=()
 [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadgroup)

@@ -35,8 +35,9 @@ def module_class(nodeid: str) -> str:
     """unit, stand-in, real_engine or systemd, from a report's node id (scripts/test.sh's xdist groups end it
     with ``@systemd`` / ``@real_engine``; without xdist, from the keywords)."""
     group = nodeid.rpartition("@")[2] if "@" in nodeid.rpartition("::")[2] else ""
-    if group in ("systemd", "real_engine"):
-        return group
+    heavy = group.partition(":")[0]           # systemd:1, systemd:2 (tests/schedule.py)
+    if heavy in ("systemd", "real_engine"):
+        return heavy
     return "unit" if nodeid.startswith(UNIT_DIRS) else "stand-in"
 
 
@@ -53,6 +54,13 @@ class Overrun:
                     "(scripts/test-budgets.py writes the entries from a run)")
         return (f"{self.module}: {self.seconds:.0f} s, budget {self.budget_s:.0f} s (fails past {self.limit_s:.0f} s "
                 f"in this run); make it faster, split it, or raise its budget in tests/budgets.json with why")
+
+
+def module_seconds() -> dict[str, float]:
+    """Module -> budgeted seconds (tests/schedule.py orders the xdist groups by them); {} without the file."""
+    if not BUDGETS.exists():
+        return {}
+    return {m: e["budget_s"] for m, e in json.loads(BUDGETS.read_text())["modules"].items()}
 
 
 def budget_of(entry: dict | None) -> float:

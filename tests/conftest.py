@@ -12,6 +12,7 @@ import os
 import pytest
 
 import budgets
+import schedule
 from appliance.stack.localproc import PORT_RANGE_ENV, default_port_range
 
 # fixture that needs it -> marker it demands
@@ -26,31 +27,35 @@ def needed_markers(item: pytest.Item) -> set[str]:
     return need
 
 
-def xdist_group(item: pytest.Item) -> str:
-    """The xdist group a test runs in (``--dist loadgroup``, scripts/test.sh): every systemd test in one group
-    and every real-engine test in another, each run one after the other on one worker (they share the nspawn
-    harness, the engines' venv and the cores the engines compute on); any other test with the rest of its
-    module (its module-scoped fixtures, a twin stack, are set up once)."""
-    for marker in ("systemd", "real_engine"):
-        if item.get_closest_marker(marker) is not None:
-            return marker
-    return item.nodeid.split("::")[0]
+def heavy_marker(item: pytest.Item) -> str | None:
+    return next((m for m in schedule.HEAVY if item.get_closest_marker(m) is not None), None)
 
 
 @pytest.hookimpl(tryfirst=True)          # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's xdist group (tests/schedule.py: the real-engine tests one group, the systemd tests two balanced
+    by budget, any other test with the rest of its module), the groups longest first, and the marker guard."""
+    seconds = budgets.module_seconds()
+    module = {it: it.nodeid.split("::")[0] for it in items}
+    heavy = {it: heavy_marker(it) for it in items}
+    systemd_bin = schedule.spread({m: seconds.get(m, schedule.UNKNOWN_S) for it, m in module.items()
+                                   if heavy[it] == "systemd"}, schedule.SYSTEMD_GROUPS)
+    group = {it: schedule.group_of(module[it], heavy[it], systemd_bin) for it in items}
     missing = []
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+        item.add_marker(pytest.mark.xdist_group(group[item]))
         lacking = sorted(m for m in needed_markers(item) if item.get_closest_marker(m) is None)
         if lacking:
             missing.append(f"{item.nodeid}: mark it {', '.join('@pytest.mark.' + m for m in lacking)}")
     if missing:
         raise pytest.UsageError("tests that need real systemd or real engines without their marker (the fast "
                                 "subset would run them):\n  " + "\n  ".join(missing))
+    items[:] = schedule.longest_first(items, group, module, seconds)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False    # xdist keeps our longest-first order (it would sort by test count)
     budgets.register(config)          # a module past 2x its run-time budget fails the session (tests/budgets.py)
     os.environ[PORT_RANGE_ENV] = worker_port_range(getattr(config, "workerinput", {}).get("workerid", ""))
 

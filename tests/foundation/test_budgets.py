@@ -49,6 +49,7 @@ def test_a_module_without_a_budget_is_named():
 
 def test_the_classes_come_from_the_xdist_group_or_the_directory():
     assert budgets.module_class("tests/install/test_x.py::test_y@systemd") == "systemd"
+    assert budgets.module_class("tests/install/test_x.py::test_y@systemd:2") == "systemd"
     assert budgets.module_class("tests/real/test_x.py::test_y[a@b]@real_engine") == "real_engine"
     assert budgets.module_class("tests/plan/test_planner.py::test_golden[x]") == "unit"
     assert budgets.module_class("tests/proxy/test_x.py::test_y@tests/proxy/test_x.py") == "stand-in"

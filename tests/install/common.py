@@ -1,6 +1,7 @@
 """Helpers shared by the installer's systemd tests (nspawn harness, twin engines)."""
 from __future__ import annotations
 
+import fcntl
 import json
 import subprocess
 import sys
@@ -17,17 +18,20 @@ SIMULATED_4XH200 = ("--simulate", "--gpus", "fake:4xH200")
 
 
 def build_wheelhouse() -> Path:
-    """Everything /opt/pdctl needs, as wheels, built on the host (the container has no network)."""
-    stamp = WHEELHOUSE / ".stamp"
+    """Everything /opt/pdctl needs, as wheels, built on the host (the container has no network). Two systemd
+    groups run side by side (tests/schedule.py): the first builds, the other waits on the lock and finds it built."""
     key = (REPO / "pyproject.toml").read_text()
-    if stamp.exists() and stamp.read_text() == key:
-        return WHEELHOUSE
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
-    subprocess.run([VENV_PY, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "-w", str(WHEELHOUSE),
-                    str(REPO), "setuptools>=68", "wheel"], check=True, timeout=900)
-    for p in WHEELHOUSE.glob("pdctl-*.whl"):  # install.sh builds pdctl itself from the source tree
-        p.unlink()
-    stamp.write_text(key)
+    with open(WHEELHOUSE.parent / ".wheelhouse.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stamp = WHEELHOUSE / ".stamp"
+        if stamp.exists() and stamp.read_text() == key:
+            return WHEELHOUSE
+        subprocess.run([VENV_PY, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "-w", str(WHEELHOUSE),
+                        str(REPO), "setuptools>=68", "wheel"], check=True, timeout=900)
+        for p in WHEELHOUSE.glob("pdctl-*.whl"):  # install.sh builds pdctl itself from the source tree
+            p.unlink()
+        stamp.write_text(key)
     return WHEELHOUSE
 
 
