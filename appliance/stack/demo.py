@@ -82,7 +82,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         stop.set()
         raise KeyboardInterrupt
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too, explicitly: a process started in the background by a non-interactive shell (`pdctl demo --no-tui &`
+    # in a script, a CI job) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt for it
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     stack = None
     traffic = None
     try:
