@@ -129,3 +129,21 @@ def test_collector_reads_the_twin_stack_and_the_proxy(twin_stack):
             await pilot.pause(0.3)
         c.stop()
     asyncio.run(drive())
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """A stack's ports are picked one after the other and bound only later: a second pick must not return a port
+    the first one found free (it still is, nobody bound it yet)."""
+    from collections import deque
+
+    from appliance.stack import localproc
+    monkeypatch.setattr(localproc, "_GIVEN", deque(maxlen=1024))
+    # 9 single-port choices (randrange's end), above the kernel's ephemeral range and every test worker's slice
+    monkeypatch.setenv(localproc.PORT_RANGE_ENV, "65000-65010")
+    got = [free_port() for _ in range(9)]
+    assert sorted(got) == list(range(65000, 65009))
+    with pytest.raises(RuntimeError, match="no run of 1 free ports"):
+        free_port()
+    monkeypatch.setattr(localproc, "_GIVEN", deque(maxlen=1024))
+    base = localproc.free_port_run(3)
+    assert all(p not in range(base, base + 3) for p in (localproc.free_port() for _ in range(6)))
