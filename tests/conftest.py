@@ -38,8 +38,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     seconds = budgets.module_seconds()
     module = {it: it.nodeid.split("::")[0] for it in items}
     heavy = {it: heavy_marker(it) for it in items}
-    systemd_bin = schedule.spread({m: seconds.get(m, schedule.UNKNOWN_S) for it, m in module.items()
-                                   if heavy[it] == "systemd"}, schedule.SYSTEMD_GROUPS)
+    systemd_bin = schedule.spread(schedule.by_directory({m: seconds.get(m, schedule.UNKNOWN_S)
+                                                        for it, m in module.items() if heavy[it] == "systemd"}),
+                                  schedule.SYSTEMD_GROUPS)
     group = {it: schedule.group_of(module[it], heavy[it], systemd_bin) for it in items}
     missing = []
     for item in items:

