@@ -14,7 +14,7 @@ import logging
 import time
 
 from .errors import ProxyError
-from .legs import Passthrough, decode_body
+from .legs import Passthrough, decode_body, prefill_body
 from .telemetry import new_request_id
 from .warmup import warm_new_workers
 
@@ -40,7 +40,7 @@ async def canary_once(server) -> bool:
     rid = new_request_id()
     kv = None
     if server.policy.prefill:
-        pr = await server.legs.prefill("/v1/completions", body, rid, chars=len(body["prompt"]))
+        pr = await server.legs.prefill("/v1/completions", prefill_body(body), rid, chars=len(body["prompt"]))
         if isinstance(pr, (ProxyError, Passthrough)):
             why = pr.message if isinstance(pr, ProxyError) else f"prefill HTTP {pr.status}: {pr.body[:120]!r}"
             server.canary.update(ok=False, error="P leg: " + why)

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from ..wire.client import Conn, UpstreamError
 from .errors import ProxyError, engine_refusal, unavailable, upstream_failed
 from .migrate import with_token_ids
-from .responses import PATH as RESPONSES_PATH
-from .responses import prefill_body as responses_prefill_body
 
 _P_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 
@@ -181,11 +179,10 @@ class Legs:
             return out
         return errors
 
-    async def prefill(self, path: str, body: dict, rid: str, first=None, backlog: int = 0, avoid=None,
+    async def prefill(self, path: str, data: bytes, rid: str, first=None, backlog: int = 0, avoid=None,
                       chars: int = 0):
         """PrefillResult, Passthrough (engine refused the request) or ProxyError (no prefiller could do it)."""
         s = self.s
-        data = prefill_body(body) if path != RESPONSES_PATH else responses_prefill_body(body, rid)
         headers = self.headers(rid)
         timeout = s.cfg.prefill_timeout_s
 

@@ -26,7 +26,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .validate import CHAT, RESPONSES
+from .validate import CHAT
 
 LOG_CAP_BYTES = 8 * 1024 * 1024        # past this much of one answer, a stream is not kept for migration
 _IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\s*\[[0-9,\s]*\]')
@@ -53,9 +53,8 @@ def with_token_ids(raw: bytes) -> bytes:
 
 
 def unsupported(body: dict, kind: str) -> str | None:
-    """Why this request's stream cannot be continued elsewhere (None: it can)."""
-    if kind == RESPONSES:
-        return "responses"        # typed events: sequence numbers and item ids cannot be rebuilt from token ids
+    """Why a completions or chat request's stream cannot be continued elsewhere (None: it can); the Responses
+    API's never can (dialects.py)."""
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
         return "n"
     if body.get("prompt_logprobs") is not None:

@@ -1,8 +1,8 @@
-"""Per-request orchestration of a generation (completions, chat, Responses): validate, decide (aggregate on one
-worker or split P/D, appliance/policy/decide.py), admit (start now, wait in the bounded queue, or refuse with 503 and
-Retry-After: admission.py, appliance/policy/admit.py), the P leg and the bounded wait for LMCache's "stored" signal, the D leg,
-then the answer as a whole or streamed (relay.py, which continues a broken stream elsewhere). ``s`` is the
-ProxyServer: the state every route shares.
+"""Per-request orchestration of a generation (completions, chat, Responses: one path, what differs between them is
+in dialects.py): validate, decide (aggregate on one worker or split P/D, appliance/policy/decide.py), admit (start
+now, wait in the bounded queue, or refuse with 503 and Retry-After: admission.py, appliance/policy/admit.py), the P
+leg and the bounded wait for LMCache's "stored" signal, the D leg, then the answer as a whole or streamed (relay.py,
+which continues a broken stream elsewhere). ``s`` is the ProxyServer: the state every route shares.
 """
 from __future__ import annotations
 
@@ -13,16 +13,15 @@ import time
 from ..policy.admit import Ask
 from ..policy.decide import AGGREGATE, R_ENGINE_STATE, R_NO_PREFILLER, SPLIT
 from ..wire.server import Request, Response
-from . import migrate, utility_routes
-from . import responses as RS
-from . import stored_responses as SR
+from . import utility_routes
 from .answers import authorized, client_request_id, error_response
+from .dialects import DIALECTS
 from .errors import UNAUTHORIZED, ProxyError, bad_request
 from .legs import DecodeStream, Passthrough, PrefillResult, decode_body
 from .relay import Relay, StreamJob
 from .routing import SKIP_NO_PREFILLER, Route, affinity_key
 from .telemetry import new_request_id
-from .validate import RESPONSES, parse
+from .validate import parse
 
 STORING_ROLES = ("prefill", "both")   # kv_producer / kv_both: what they compute lands in the KV server
 
@@ -46,9 +45,9 @@ async def generate(s, request: Request, path: str, kind: str):
         return error_response(ProxyError(404, f"model {parsed.model[:200]!r} is not served here; served: "
                                               f"{', '.join(sorted(models))}", "invalid_request_error",
                                          "model_not_found", "model"), crid)
+    api = DIALECTS[kind]
     mml = models.get(parsed.model)
-    mk = "max_output_tokens" if kind == RESPONSES else "max_tokens"
-    mt = parsed.body.get(mk) or (None if kind == RESPONSES else parsed.body.get("max_completion_tokens"))
+    mk, mt = api.limit_key, api.limit(parsed.body)
     if mml and mt and mt > mml:
         s._count(kind, "client_error")
         return error_response(bad_request(f"{mk}={mt} exceeds the model's max_model_len {mml}",
@@ -58,7 +57,7 @@ async def generate(s, request: Request, path: str, kind: str):
     s.metrics.inflight.inc()
     s.counts["inflight"] += 1
     try:
-        return await _serve(s, request, parsed, path, kind, t0, crid)
+        return await _serve(s, request, parsed, path, api, t0, crid)
     except asyncio.CancelledError:
         s._count(kind, "client_disconnect")
         raise
@@ -66,12 +65,13 @@ async def generate(s, request: Request, path: str, kind: str):
         s.metrics.inflight.dec()
         s.counts["inflight"] -= 1
 
-async def _serve(s, request, parsed, path: str, kind: str, t0: float, crid):
+async def _serve(s, request, parsed, path: str, api, t0: float, crid):
+    kind = api.kind
     rid = new_request_id()
     echo = crid or rid
     chars = len(parsed.prompt_text)
     tokens = parsed.prompt_tokens_est if parsed.tokens_exact else s.chars_per_token.estimate(chars)
-    held = await SR.held_by(s, parsed.body, rid) if kind == RESPONSES else None
+    held = await api.held_by(s, parsed.body, rid)
     rt = s.policy.route(parsed.prompt_text, tokens) if held is None else \
         Route(AGGREGATE, R_ENGINE_STATE, None, held.backend, tokens)
     ticket = None
@@ -85,14 +85,14 @@ async def _serve(s, request, parsed, path: str, kind: str, t0: float, crid):
         parsed.body = {k: v for k, v in parsed.body.items() if k != "priority"}
         request.body = json.dumps(parsed.body).encode()
     try:
-        return await _legs(s, request, parsed, path, kind, t0, echo, rid, chars, held, rt, ticket)
+        return await _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, ticket)
     finally:
         if ticket is not None:
             ticket.release_all()
 
 
-async def _legs(s, request, parsed, path, kind, t0, echo, rid, chars, held, rt, ticket):
-    m, cfg = s.metrics, s.cfg
+async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, ticket):
+    m, cfg, kind = s.metrics, s.cfg, api.kind
     skip = None if rt.kind == SPLIT else rt.reason
     kv_params = pr = None
     if skip is None:
@@ -103,7 +103,8 @@ async def _legs(s, request, parsed, path, kind, t0, echo, rid, chars, held, rt, 
             ticket.release(rt.prefill)          # the P leg counts itself on its worker from here
         try:
             # never both legs on one worker: a retried P leg avoids the decided D worker
-            pr = await s.legs.prefill(path, parsed.body, rid, rt.prefill, rt.uncached, rt.decode, chars)
+            pr = await s.legs.prefill(path, api.prefill_data(parsed.body, rid), rid, rt.prefill, rt.uncached,
+                                      rt.decode, chars)
         except BaseException:
             s.waiter.discard(rid)
             raise
@@ -135,18 +136,15 @@ async def _legs(s, request, parsed, path, kind, t0, echo, rid, chars, held, rt, 
         m.pd_skipped.labels(skip).inc()
         s.counts["skip:" + skip] += 1
     route = "decode_only" if skip else "pd"
-    unmovable = migrate.unsupported(parsed.body, kind) if parsed.stream else "not_streamed"
+    unmovable = api.unmovable(parsed.body) if parsed.stream else "not_streamed"
     token_ids = cfg.token_ids and parsed.stream and unmovable is None and cfg.max_migrations > 0
-    data = decode_body(request.body, parsed.body, kv_params, token_ids)
-    if kind == RESPONSES:
-        data = RS.with_response_id(data, parsed.body, rid)
+    data = api.decode_data(decode_body(request.body, parsed.body, kv_params, token_ids), parsed.body, rid)
     aff = affinity_key(request.headers.get("x-session-id"), parsed.prompt_text)
     if ticket is not None:
         ticket.release_all()                    # the D (or whole) leg counts itself from here
     d = await s.legs.decode(path, data, rid, aff, parsed.stream, rt.decode, "full" if skip else "decode",
                                rt.uncached if skip else 0, chars, exclude=held.others if held else frozenset())
-    if kind == RESPONSES:
-        SR.served(s, parsed.body, rid, d)
+    api.served(s, parsed.body, rid, d)
     if isinstance(d, DecodeStream):
         s.gate.observe_first(ticket, pr.backend if isinstance(pr, PrefillResult) else d.backend)
     if (skip and isinstance(d, DecodeStream) and d.backend.spec.role in STORING_ROLES
@@ -166,6 +164,6 @@ async def _legs(s, request, parsed, path, kind, t0, echo, rid, chars, held, rt, 
         return Response(d.body, d.status, {"Content-Type": d.content_type, "X-Request-Id": echo})
     job = StreamJob(kind, parsed.body, rid, aff, route, t0, echo, token_ids,
                     strip=token_ids and not parsed.body.get("return_token_ids"), unmovable=unmovable,
-                    dialect=RS.StreamDialect() if kind == RESPONSES else None)
+                    dialect=api.framing())
     await Relay(s, request, job).run(d)
     return None

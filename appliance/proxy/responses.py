@@ -16,7 +16,7 @@ matches it; the D leg is the client's request. What this module adds:
 - **The stream dialect.** Typed SSE events (``event: response.output_text.delta`` ...) end with
   ``response.completed`` / ``response.incomplete`` / ``response.failed`` (no ``[DONE]``), and a stream broken
   after its first byte ends with the Responses API's own ``error`` event followed by ``response.failed``
-  (not chat's error chunk). Such a stream is not continued on another worker (migrate.unsupported): its
+  (not chat's error chunk). Such a stream is not continued on another worker (dialects.py): its
   sequence numbers and item ids cannot be rebuilt from token ids.
 """
 from __future__ import annotations

@@ -253,3 +253,22 @@ async def test_the_holder_down_means_an_error_never_another_engine(pd, fresh):
     status, _, raw = await post_stream(pd.url, nxt)
     assert status in (502, 503) and shape(raw)["code"] in ("decode_failed", "no_decoder"), raw
     assert len(legs(fresh)[other]) == 0 and len(legs(fresh)["p0"] + legs(fresh)["p1"]) == 1
+
+
+def test_what_differs_between_the_apis_is_said_by_their_dialects():
+    """The generic path asks the dialect; the Responses API's answers differ where its wire format does."""
+    from appliance.proxy.dialects import DIALECTS
+    from appliance.proxy.legs import prefill_body
+    from appliance.proxy.validate import CHAT, COMPLETIONS, RESPONSES
+    chat, comp, resp = DIALECTS[CHAT], DIALECTS[COMPLETIONS], DIALECTS[RESPONSES]
+    assert (chat.limit_key, chat.limit({"max_completion_tokens": 9})) == ("max_tokens", 9)
+    assert (resp.limit_key, resp.limit({"max_output_tokens": 7, "max_tokens": 99})) == ("max_output_tokens", 7)
+    assert comp.prefill_data({"model": "m", "prompt": "p", "max_tokens": 5}, "r1") == \
+        prefill_body({"model": "m", "prompt": "p", "max_tokens": 5})
+    p = json.loads(resp.prefill_data(BODY, "r1"))
+    assert (p["max_output_tokens"], p["stream"], p["store"], p["request_id"]) == (1, False, False, "resp_r1_prefill")
+    assert comp.decode_data(b'{"a":1}', {}, "r1") == b'{"a":1}'
+    assert json.loads(resp.decode_data(b'{"a":1}', {}, "r1"))["request_id"] == "resp_r1"
+    assert resp.unmovable(BODY) == "responses" and chat.unmovable({"messages": []}) is None
+    assert comp.unmovable({"prompt": "p", "n": 2}) == "n"
+    assert chat.framing() is None and isinstance(resp.framing(), StreamDialect)
