@@ -17,6 +17,10 @@ VENV_PY = sys.executable
 LOADCLIENT = str(REPO / "tests" / "faults" / "loadclient.py")
 PDCTL = "/usr/local/bin/pdctl"
 GPUS = "fake:4xH200"
+STALL_FLOOR_S = 12.0   # the box's [proxy] stall_floor_s (product default 5 s): a worker silent this long is hung.
+#                        Above what a busy CI machine costs the twin engines (a run with a busy core saw them
+#                        silent 8.6 s while the proxy restarted under load, and at 5 s their streams were cut as
+#                        hung), below the hung-decoder row's hang (test_faults_systemd.HANG_S)
 COMFORTABLE_RPS = 4.0     # what the twin stack (1P3D) serves on a 2-core CI box with p50 flat (measured: 12 rps ok)
 LOAD_RPS = 2 * COMFORTABLE_RPS
 

@@ -15,16 +15,16 @@ import time
 
 import pytest
 
-from .common import (LOAD_RPS, Load, backend, backend_state, curl, engine_pid, kv_counters, main_pid, pdctl_status,
-                     plan, restarts, set_fault, unit_of, wait_until, worker)
+from .common import (LOAD_RPS, STALL_FLOOR_S, Load, backend, backend_state, curl, engine_pid, kv_counters, main_pid,
+                     pdctl_status, plan, restarts, set_fault, unit_of, wait_until, worker)
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
 LOAD_S = 16.0        # seconds of load per fault (covers a restart: RestartSec 5 s + engine start)
 ANSWER_TOKENS = 64   # long enough that a failure lands mid-stream (the first round used 16)
-STALL_BOUND_S = 5.0  # [proxy] stall_floor_s: a hung decoder's streams move after this much silence
+STALL_BOUND_S = STALL_FLOOR_S  # the box's [proxy] stall_floor_s: a hung decoder's streams move after this silence
 INJECT_AT = 2.0      # the fault lands this long after the load starts
-HANG_S = 30.0        # the hung decoder's hang: far past the stall bound, so a stream that waited it out is plain
+HANG_S = 45.0        # the hung decoder's hang: far past the stall bound, so a stream that waited it out is plain
 READMIT_S = 30.0     # healthy -> re-admitted within this (0.7-1.8 s measured): a re-admission that waits out
                      # a long cool-down fails, a busy machine's probe delays do not
 FAULT_TABLE: list = []
