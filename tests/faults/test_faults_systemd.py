@@ -251,12 +251,33 @@ def test_systemctl_stop_decoder(box):
     assert seen
 
 
+def hang_mid_stream(box, inst: str, within: float) -> int:
+    """Hang ``inst`` at a moment the proxy is streaming an answer from it, read back after the hang is set (the
+    stream is then frozen on it, so it must be moved); -> the streams frozen there. A stream that ended between the
+    read and the hang is a missed try: the hang is cleared at once (~0.1 s, far below any bound) and tried again.
+    Without this, a hang that lands between two streams (the load client late on a busy machine) leaves only
+    first-byte waits to retry and nothing to move."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if ((backend(box, inst) or {}).get("streams") or 0) >= 1:
+            set_fault(box, inst, "hang")
+            frozen = (backend(box, inst) or {}).get("streams") or 0
+            if frozen >= 1:
+                return frozen
+            set_fault(box, inst, "none")
+        time.sleep(0.05)
+    raise AssertionError(f"{inst}: the proxy streamed no answer from it within {within:g} s of load")
+
+
 def injected(box, inst: str, mode: str, arg=None, lasts: float = 5.0) -> tuple:
     """Run load, inject ``mode`` on ``inst`` for ``lasts`` s, clear it; -> (result, recover s, status seen)."""
     load = Load(box, model(box), LOAD_RPS, LOAD_S, max_tokens=ANSWER_TOKENS, check_text=True)
     time.sleep(INJECT_AT)
     watch = StatusWatch(box, (inst,))
-    set_fault(box, inst, mode, arg)
+    if mode == "hang":
+        hang_mid_stream(box, inst, within=LOAD_S - INJECT_AT)
+    else:
+        set_fault(box, inst, mode, arg)
     time.sleep(lasts)
     seen_during = watch.done()
     t0 = time.monotonic()
