@@ -76,9 +76,10 @@ PROXY: dict[str, tuple[MetricName, ...]] = {
 }
 
 # request outcomes (label ``outcome`` of the proxy's requests counter) that are not the box's failure:
-# the client's own mistakes, refused keys, and requests admission refused past the ceiling ("overloaded": a
-# decision, shown as refused/s beside the goodput, not an error); every other non-ok outcome counts in errors/s
-CLIENT_OUTCOMES = frozenset({"ok", "client_error", "unauthorized", "overloaded"})
+# the client's own mistakes, refused keys, keys over their own limits ("rate_limited"), and requests admission
+# refused past the ceiling ("overloaded": a decision, shown as refused/s beside the goodput, not an error); every
+# other non-ok outcome counts in errors/s
+CLIENT_OUTCOMES = frozenset({"ok", "client_error", "unauthorized", "overloaded", "rate_limited"})
 CANARY_ROUTE = "canary"            # the proxy's own readiness probe: not client traffic
 
 

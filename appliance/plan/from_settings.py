@@ -131,15 +131,16 @@ def plan_from_settings(s: Settings, inventory: Inventory | None = None, probe_hu
     plan = make_plan(inv, model, work, ov)
     px = s.values["proxy"]
     from dataclasses import replace
-    if px["public_status"] and not px["api_key_file"]:
+    if px["public_status"] and not (px["api_key_file"] or px["keys_file"]):
         from ..settings.config import ConfigError
-        raise ConfigError(f"{s.path}: proxy.public_status: needs proxy.api_key_file (the status is only served to "
-                          "clients holding the API key)")
+        raise ConfigError(f"{s.path}: proxy.public_status: needs proxy.api_key_file or proxy.keys_file (the status "
+                          "is only served to clients holding a key)")
     from .types import PROXY_TUNING
     tuning = {k: s.values[sec][k] for sec, keys in PROXY_TUNING.items() for k in keys}
     kv = s.values["kv_server"]
     return replace(plan, proxy=replace(plan.proxy, kv_wait_s=px["kv_wait_s"],
                                        pd_min_prompt_tokens=px["pd_min_prompt_tokens"],
-                                       api_key_file=px["api_key_file"], public_status=px["public_status"],
+                                       api_key_file=px["api_key_file"], keys_file=px["keys_file"],
+                                       public_status=px["public_status"],
                                        admission=admission_settings(s, inv, model, work, plan), **tuning),
                    kv_server=replace(plan.kv_server, watchdog_s=kv["watchdog_s"]))

@@ -22,7 +22,8 @@ PROXY_TUNING = {
 
 # the [proxy] keys ProxyPlan carries besides PROXY_TUNING (from_json fills absent ones from the schema)
 _PROXY_PLAN_KEYS = ("kv_wait_s", "aggregate_max_uncached", "split_max_prefill_backlog", "split_idle_max_running",
-                    "consumer_max_uncached", "pd_min_prompt_tokens", "api_key_file", "public_status")
+                    "consumer_max_uncached", "pd_min_prompt_tokens", "api_key_file", "keys_file",
+                    "public_status")
 LEGACY_POLICY = "pdctl"   # a plan.json without "policy" predates the adaptive policy: it ran pdctl's rule
 
 
@@ -75,6 +76,7 @@ class ProxyPlan:
     kv_wait_s: float = _d("proxy", "kv_wait_s")      # bounded wait for request_store_finished before the D leg
     pd_min_prompt_tokens: int = _d("proxy", "pd_min_prompt_tokens")  # shorter prompts skip the P leg
     api_key_file: str = _d("proxy", "api_key_file")  # clients must send this key as Bearer on the public port
+    keys_file: str = _d("proxy", "keys_file")        # named keys with classes and limits (appliance/keys)
     public_status: bool = _d("proxy", "public_status")  # /pdctl/status on the public port (fleet front nodes)
     aggregate_max_uncached: int = _d("proxy", "aggregate_max_uncached")   # adaptive policy (decide.Thresholds)
     split_max_prefill_backlog: int = _d("proxy", "split_max_prefill_backlog")

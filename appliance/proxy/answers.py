@@ -1,7 +1,6 @@
-"""The proxy's answers in OpenAI's shape and the checks every route shares (API key, client request id)."""
+"""The proxy's answers in OpenAI's shape and the client request id every route echoes (keys: guard.py)."""
 from __future__ import annotations
 
-import hmac
 import json
 
 from ..wire.server import Response
@@ -26,14 +25,3 @@ def client_request_id(request) -> str | None:
     if v and len(v) <= 128 and v.isprintable() and v.isascii():
         return v
     return None
-
-
-
-
-def authorized(cfg, request) -> bool:
-    """The client sent the API key as Bearer (always true when no key is configured)."""
-    if not cfg.api_key:
-        return True
-    got = request.headers.get("authorization", "")
-    return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode("utf-8", "replace"),
-                                                             cfg.api_key.encode())

@@ -14,16 +14,19 @@ import gc
 import logging
 import time
 from collections import Counter
+from functools import partial
 
-from ..wire.server import Server
+from ..keys.quota import Quota
+from ..wire.server import Response, Server
 from ..wire.tasks import cancel_and_wait
-from . import lifecycle, routes, warmup
+from . import guard, lifecycle, routes, warmup
 from . import stored_responses as SR
 from .admission import Gate
-from .answers import error_body
+from .answers import client_request_id, error_body, error_response
 from .backends import Backend
 from .canary import canary_loop, canary_once
 from .config import ProxyConfig
+from .errors import ProxyError
 from .legs import Legs
 from .metrics import ProxyMetrics
 from .routing import PrefixIndex, make_policy
@@ -50,6 +53,8 @@ class ProxyServer:
         self.policy = make_policy(cfg, self.backends, self.prefix, lambda: self.chars_per_token.value)
         self.legs = Legs(self)
         self.gate = Gate(self, cfg.admission, cfg.admission_prior)   # admission by the SLO (admission.py)
+        self.keyring = guard.keyring(cfg)     # who may use the public port (None: no key configured)
+        self.quota = Quota()                  # each key's use against its limits; survives reloads
         self.responses = SR.Homes()      # where each stored Responses API answer lives (stored_responses.py)
         self.watcher = Watcher(self)
         self.started = time.monotonic()
@@ -61,6 +66,7 @@ class ProxyServer:
         self.sockets: dict = {}      # listening sockets handed over by systemd (lifecycle.adopt), by listener
         self.public_port = cfg.port
         self.internal_port = cfg.internal_port
+        self.h_public_status = partial(routes.public_status, self)   # on/off at a reload (lifecycle.reload)
         self._public = routes.public(self)
         self._internal = routes.internal(self)
 
@@ -108,12 +114,38 @@ class ProxyServer:
 
         def dispatch(request):   # HEAD is answered like GET (the server leaves the body out)
             m = request.method
-            return table.get(("GET" if m == "HEAD" else m, request.path), unknown)(request)
+            handler = table.get(("GET" if m == "HEAD" else m, request.path), unknown)
+            if which == lifecycle.PUBLIC and self.keyring is not None:
+                return self._door(request, handler)
+            return handler(request)
 
         srv = Server(dispatch, error_body, limits=lifecycle.limits(self.cfg, which), name="the proxy")
         real = await srv.start(host, port, self.sockets.pop(which, None))
         self._servers.append(srv)
         return real
+
+    async def _door(self, request, handler):
+        """The public port with keys on (guard.py): identify, then count the request against its key's limits
+        (a generation reserves its tokens later, once parsed: orchestrate.admit_generation)."""
+        who = guard.identify(self.keyring, request)
+        if isinstance(who, ProxyError):
+            self._count(routes.label(request.path), "unauthorized")
+            return error_response(who, client_request_id(request))
+        request.caller = who
+        if who is None or request.path in routes.GEN_PATHS:
+            return await handler(request)
+        v = self.quota.admit(who)
+        if not v.ok:
+            self._count(routes.label(request.path), "rate_limited")
+            err = guard.over_limit(v)
+            return Response(err.body(), err.status, guard.refusal_headers(v))
+        try:
+            resp = await handler(request)
+        finally:
+            self.quota.finish(who, 0, 0)
+        if resp is not None:
+            resp.headers.update(v.headers)
+        return resp
 
     def reload(self, new_cfg: ProxyConfig) -> list:
         """Apply a re-read plan without dropping a connection (lifecycle.reload); returns what changed."""
@@ -138,6 +170,7 @@ class ProxyServer:
         c = self.counts
         return {
             "policy": self.policy.name, "uptime_s": round(time.monotonic() - self.started, 1),
+            "keys": self.quota.snapshot(),       # per named key: in flight, last minute, today, refusals by limit
             "ready": ok, "ready_reason": why,
             "canary": {k: v for k, v in self.canary.items() if k not in ("at", "last_ok")},
             "inflight": c.get("inflight", 0),

@@ -55,6 +55,8 @@ def register(subparsers) -> None:
                    help="adaptive: a decode-only worker serves a whole request only up to this many uncached")
     p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml (its plan.json is read)")
     p.add_argument("--api-key-file", type=Path, help="file holding the key clients must send as Bearer")
+    p.add_argument("--keys-file", type=Path, help="named keys with classes and limits ([proxy] keys_file; "
+                                                  "`pdctl keys` edits it)")
     p.add_argument("--backend-api-key-file", type=Path, help="file holding the engines' --api-key")
     p.add_argument("--kv-wait-s", type=float, help="bounded wait for LMCache's store-finished event")
     p.add_argument("--telemetry-prefill", action="store_true",
@@ -91,6 +93,17 @@ def _read_key(path: Path | None) -> str | None:
     return key
 
 
+def _read_keys(path: Path | None):
+    """The named keys (appliance/keys/table.py); a bad file stops the proxy (at a reload: keeps the old keys)."""
+    if path is None:
+        return None
+    from ..keys.table import KeysError, load
+    try:
+        return load(path)
+    except KeysError as e:
+        raise SystemExit(f"pdctl proxy: {e}") from None
+
+
 def config_from_args(args, plan=None) -> ProxyConfig:
     if args.prefill or args.decode or args.both:
         tel = args.telemetry_prefill
@@ -121,11 +134,12 @@ def config_from_args(args, plan=None) -> ProxyConfig:
     if th:
         kw["thresholds"] = replace(cfg.thresholds, **th)
     kw["api_key"] = _read_key(args.api_key_file)
+    kw["keys"] = _read_keys(getattr(args, "keys_file", None))
     if getattr(args, "public_status", False):
         kw["public_status"] = True
-    if (kw.get("public_status") or cfg.public_status) and not kw["api_key"]:
-        raise SystemExit("pdctl proxy: the public status endpoint needs an API key: pass --api-key-file "
-                         "(or set [proxy] api_key_file), or turn public_status off")
+    if (kw.get("public_status") or cfg.public_status) and not kw["api_key"] and kw["keys"] is None:
+        raise SystemExit("pdctl proxy: the public status endpoint needs an API key: pass --api-key-file or "
+                         "--keys-file (or set [proxy] api_key_file or keys_file), or turn public_status off")
     kw["backend_api_key"] = _read_key(args.backend_api_key_file)
     adm = {}
     if getattr(args, "admission", None):
@@ -236,7 +250,7 @@ def run_from_plan(plan, **overrides) -> None:
 def main(args) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    key_flag = args.api_key_file
+    key_flag, keys_flag = args.api_key_file, args.keys_file
 
     def build() -> ProxyConfig:
         """The config from the flags and (appliance mode) the installed plan; called again on SIGHUP."""
@@ -249,6 +263,9 @@ def main(args) -> int:
                 key_file = plan.proxy.api_key_file or (resolve(Path(args.config)).get("proxy", "api_key_file")
                                                        if Path(args.config).suffix == ".toml" else "")
                 args.api_key_file = Path(key_file) if key_file else None
+            if keys_flag is None:     # the plan's [proxy] keys_file, re-read at every SIGHUP (`pdctl keys`)
+                keys_file = getattr(plan.proxy, "keys_file", "")
+                args.keys_file = Path(keys_file) if keys_file else None
         return config_from_args(args, plan)
     _run(serve(build(), reread=build))
     return 0

@@ -37,6 +37,7 @@ class ProxyConfig:
     pd_min_prompt_tokens: int = _d("proxy", "pd_min_prompt_tokens")   # shorter prompts skip the P leg
     prefix_ttl_s: float = 300.0              # how long a stored prefix counts as "still in the KV server"
     api_key: str | None = None
+    keys: object = None                      # appliance.keys.table.KeyTable from [proxy] keys_file (None = none)
     backend_api_key: str | None = None       # sent to the engines when they run with --api-key
     max_tokens_limit: int = 1 << 20          # above this max_tokens is refused (engines' max_model_len refines it)
     connect_timeout_s: float = 1.0

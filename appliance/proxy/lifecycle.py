@@ -16,6 +16,7 @@ import time
 from dataclasses import fields, replace
 
 from .. import constants as C, sdnotify
+from . import guard
 from .backends import Backend
 from .routing import POLICIES, make_policy
 from ..wire.server import Limits
@@ -110,6 +111,7 @@ def reload(server, new) -> list[str]:
         changes.append("settings: " + ", ".join(k for k in changed_keys if "key" not in k)
                        + (" (API keys re-read)" if any("key" in k for k in changed_keys) else ""))
     server.backends, server.policy, server.cfg = backends, policy, new
+    server.keyring = guard.keyring(new)        # a revoked key fails from the next request on; open streams finish
     if new.admission != old.admission or new.admission_prior != old.admission_prior:
         changes.append(f"admission: mode {new.admission.mode}, target {new.admission.target}, max_queue "
                        f"{new.admission.max_queue}")

@@ -13,10 +13,10 @@ import time
 from ..policy.admit import Ask
 from ..policy.decide import AGGREGATE, R_ENGINE_STATE, R_NO_PREFILLER, SPLIT
 from ..wire.server import Request, Response
-from . import utility_routes
-from .answers import authorized, client_request_id, error_response
+from . import guard, utility_routes
+from .answers import client_request_id, error_response
 from .dialects import DIALECTS
-from .errors import UNAUTHORIZED, ProxyError, bad_request
+from .errors import ProxyError, bad_request
 from .legs import DecodeStream, Passthrough, PrefillResult, decode_body
 from .relay import Relay, StreamJob
 from .routing import SKIP_NO_PREFILLER, Route, affinity_key
@@ -29,9 +29,6 @@ STORING_ROLES = ("prefill", "both")   # kv_producer / kv_both: what they compute
 async def generate(s, request: Request, path: str, kind: str):
     t0 = time.monotonic()
     crid = client_request_id(request)
-    if not authorized(s.cfg, request):
-        s._count(kind, "unauthorized")
-        return error_response(UNAUTHORIZED, crid)
     parsed = parse(request.body, kind, s.cfg.max_tokens_limit)
     if isinstance(parsed, ProxyError):
         s._count(kind, "client_error")
@@ -52,18 +49,44 @@ async def generate(s, request: Request, path: str, kind: str):
         s._count(kind, "client_error")
         return error_response(bad_request(f"{mk}={mt} exceeds the model's max_model_len {mml}",
                                           param=mk), crid)
+    who = getattr(request, "caller", None)
+    prompt = reserve = 0
+    if who is not None:       # a named key: its limits, with what this request may use (guard.py)
+        prompt = parsed.prompt_tokens_est if parsed.tokens_exact else \
+            s.chars_per_token.estimate(len(parsed.prompt_text))
+        reserve = prompt + (mt or (max(0, mml - prompt) if mml else 0))
+        v = s.quota.admit(who, reserve)
+        if not v.ok:
+            s._count(kind, "rate_limited")
+            err = guard.over_limit(v)
+            return Response(err.body(), err.status, {**({"X-Request-Id": crid} if crid else {}),
+                                                     **guard.refusal_headers(v)})
     for feature in utility_routes.features(parsed.body):      # what clients ask for (pdctl doctor reads it)
         s.counts["feature:" + feature] += 1
     s.metrics.inflight.inc()
     s.counts["inflight"] += 1
     try:
-        return await _serve(s, request, parsed, path, api, t0, crid)
+        resp = await _serve(s, request, parsed, path, api, t0, crid)
+        if who is not None and resp is not None:      # a whole answer or a refusal (a stream: relay.py)
+            resp.headers.update(s.quota.headers(who))
+        return resp
     except asyncio.CancelledError:
         s._count(kind, "client_disconnect")
         raise
     finally:
         s.metrics.inflight.dec()
         s.counts["inflight"] -= 1
+        if who is not None:
+            s.quota.finish(who, reserve, prompt + request.completion_tokens)
+
+def completion_tokens(body: bytes) -> int:
+    """``usage.completion_tokens`` of a whole answer (0 when it has none): what a key's quota counts."""
+    try:
+        n = json.loads(body).get("usage", {}).get("completion_tokens", 0)
+    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
+        return 0
+    return n if isinstance(n, int) and n > 0 else 0
+
 
 async def _serve(s, request, parsed, path: str, api, t0: float, crid):
     kind = api.kind
@@ -154,6 +177,8 @@ async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, t
         s._count(kind, "unavailable" if d.status == 503 else "upstream_error")
         return error_response(d, echo)
     if isinstance(d, Passthrough):
+        if d.status == 200 and getattr(request, "caller", None) is not None:
+            request.completion_tokens = completion_tokens(d.body)
         if d.status == 200:
             dt = time.monotonic() - t0
             m.ttft_path[route].observe(dt)

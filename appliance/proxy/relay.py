@@ -148,8 +148,9 @@ class Relay:
     # ----- the whole stream ---------------------------------------------------------------------------
     async def run(self, d: DecodeStream) -> None:
         m, job = self.s.metrics, self.job
+        who = getattr(self.request, "caller", None)       # a named key: its rate-limit headers (guard.py)
         self.request.stream(200, {"Content-Type": d.content_type or SSE_TYPE, "Cache-Control": "no-cache",
-                                  "X-Request-Id": job.echo})
+                                  "X-Request-Id": job.echo, **(self.s.quota.headers(who) if who else {})})
         m.decode_first.observe(d.seconds)
         t_first = time.monotonic()
         m.ttft_path[job.route].observe(t_first - job.t0)
@@ -192,6 +193,7 @@ class Relay:
                 self._close(leg, clean=False)
         self.s._count(job.kind, outcome)
         m.e2e_path[job.route].observe(time.monotonic() - job.t0)
+        self.request.completion_tokens = max(0, self.events - 2)   # ~tokens relayed (a key's quota counts them)
 
     def _slo(self, backend, t_first: float, streams0: int) -> None:
         """A whole answer went out: count it as good when it met both SLOs, and teach admission its worker's TPOT

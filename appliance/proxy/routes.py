@@ -14,11 +14,26 @@ from functools import partial
 from .. import constants as C
 from ..wire.server import Response
 from . import orchestrate, render, responses as RS, tokenize_routes, utility_routes
-from .answers import authorized, error_response, json_response
+from .answers import error_response, json_response
 from .errors import NOT_FOUND, UNAUTHORIZED, ProxyError, bad_request, unavailable
 from .validate import CHAT, COMPLETIONS, RESPONSES
 
-_GEN_PATHS = ("/v1/completions", "/v1/chat/completions", RS.PATH)
+GEN_PATHS = ("/v1/completions", "/v1/chat/completions", RS.PATH)
+_GEN_PATHS = GEN_PATHS
+_LABELS = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT, RS.PATH: RESPONSES, "/v1/models": "models",
+           "/metrics": "metrics", "/tokenize": "tokenize", render.COMPLETIONS_RENDER: "render",
+           render.CHAT_RENDER: "render", C.BOX_STATUS_PATH: "status"}
+
+
+def label(path: str) -> str:
+    """The ``route`` label of a public path in the request counters (a bounded set: unknown paths are "other")."""
+    if path in _LABELS:
+        return _LABELS[path]
+    if path.startswith("/v1/models/"):
+        return "models"
+    if path.startswith(RS.PATH + "/"):
+        return "responses_get"
+    return utility_routes.label(path)
 _KNOWN_GET = ("/v1/models", "/health", "/ready", "/metrics")
 # Answered by one engine (same model and tokenizer everywhere): a fleet router's cache_aware policy asks the
 # render routes for every text request to match prompt prefixes by token ids (docs/fleet.md).
@@ -39,7 +54,7 @@ def public(s) -> dict:
               ("POST", render.CHAT_RENDER): partial(tokenize_routes.render_tokens, s)}
     routes.update(utility_routes.fixed(s))   # /detokenize, /version, pooling routes (utility_routes.py)
     if s.cfg.public_status:
-        routes[("GET", C.BOX_STATUS_PATH)] = partial(public_status, s)
+        routes[("GET", C.BOX_STATUS_PATH)] = s.h_public_status
     return routes
 
 
@@ -78,14 +93,12 @@ async def status(s, request):
 
 async def public_status(s, request):
     """Read-only box status for a fleet front node: the internal JSON, only with the API key."""
-    if not s.cfg.api_key or not authorized(s.cfg, request):
+    if s.keyring is None:          # the door (guard.py) checked the key; without any key this stays closed
         return error_response(UNAUTHORIZED)
     return await status(s, request)
 
 
 async def models(s, request):
-    if not authorized(s.cfg, request):
-        return error_response(UNAUTHORIZED)
     known = s.known_models()
     if not known:
         await asyncio.gather(*(s.watcher.models(b) for b in s.backends), return_exceptions=True)

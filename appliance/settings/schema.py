@@ -120,6 +120,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "pd_min_prompt_tokens": Key(int, 512, "shorter prompts skip the prefill leg", "nonneg"),
         "api_key_file": Key(str, "", "file holding the API key required on the public port ('' = none); "
                                      "make it root:pdctl 0640", "path?"),
+        "keys_file": Key(str, "", "named API keys, one per caller, with their class and limits ('' = none); "
+                                  "edit it with `pdctl keys add|list|revoke|rotate` (pdctl-owned, 0600)", "path?"),
         "public_status": Key(bool, False, "serve /pdctl/status on the public port for a fleet front node "
                                           "(read-only; refused without api_key_file)"),
         "on_prefill_failure": Key(str, "decode", "when every prefiller fails or none is up: decode (the request is "

@@ -1,0 +1,149 @@
+"""The public port with named keys: every route x (no key, wrong key, revoked key, valid key, scrape key),
+per-key limits answered 429 with Retry-After and OpenAI's rate-limit headers, and a revocation by reload that
+lets the key's open stream finish. In-process proxy in front of stand-in engines (real processes)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+
+import aiohttp
+import pytest
+
+from appliance.keys import table as T
+from appliance.proxy import guard
+
+from .conftest import make_cfg
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+# every route of the public port (method, path, body); the guarded ones need a key of scope api
+ROUTES = [
+    ("GET", "/v1/models", None), ("GET", "/v1/models/tiny", None),
+    ("POST", "/v1/chat/completions", CHAT),
+    ("POST", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4}),
+    ("POST", "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 4}),
+    ("GET", "/v1/responses/resp_abc", None), ("POST", "/v1/responses/resp_abc/cancel", {}),
+    ("POST", "/tokenize", {"model": "tiny", "prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("POST", "/v1/completions/render", {"model": "tiny", "prompt": "hi"}),
+    ("POST", "/v1/chat/completions/render", {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}),
+    ("GET", "/version", None), ("POST", "/v1/embeddings", {"model": "tiny", "input": "hi"}),
+    ("GET", "/pdctl/status", None), ("GET", "/no/such/route", None),
+]
+OPEN = [("GET", "/health"), ("GET", "/ready")]
+
+
+def keys() -> tuple:
+    tbl = T.KeyTable((), "keys.toml")
+    tbl, app = T.added(tbl, "app")
+    tbl, gone = T.added(tbl, "gone")
+    tbl, prom = T.added(tbl, "prom", scope="metrics")
+    tbl, slow = T.added(tbl, "slow", limits=T.Limits(rpm=2))
+    tbl, tight = T.added(tbl, "tight", limits=T.Limits(tpm=400))
+    return T.revoked(tbl, "gone"), {"app": app, "gone": gone, "prom": prom, "slow": slow, "tight": tight}
+
+
+async def call(url, method, path, body=None, key=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+        async with s.request(method, url + path, headers=headers,
+                             data=None if body is None else json.dumps(body).encode()) as r:
+            return r.status, await r.read(), dict(r.headers)
+
+
+def err(raw: bytes) -> dict:
+    e = json.loads(raw)["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    return e
+
+
+@pytest.fixture
+async def door(fresh, proxy_factory):
+    tbl, secrets = keys()
+    px = await proxy_factory(make_cfg([fresh["p0"].url], [fresh["d0"].url], keys=tbl, public_status=True))
+    return px, tbl, secrets
+
+
+async def test_every_route_by_every_kind_of_key(door):
+    px, _, k = door
+    for method, path, body in ROUTES:
+        for who, presented, status, code in (("none", None, 401, "invalid_api_key"),
+                                             ("wrong", "sk-pd-wrong-wrong-wrong", 401, "invalid_api_key"),
+                                             ("revoked", k["gone"], 401, "revoked_api_key"),
+                                             ("scrape key", k["prom"], 403, "insufficient_scope")):
+            got, raw, _ = await call(px.url, method, path, body, presented)
+            assert got == status and err(raw)["code"] == code, (method, path, who, got, raw[:200])
+        got, raw, _ = await call(px.url, method, path, body, k["app"])
+        assert got not in (401, 403), (method, path, got, raw[:300])
+        if path in ("/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize", "/pdctl/status"):
+            assert got == 200, (path, got, raw[:300])
+    for method, path in OPEN:                                      # load balancers need no key
+        got, _, _ = await call(px.url, method, path)
+        assert got in (200, 503), (path, got)
+        assert got != 401
+    # /metrics: the scrape key (or the loopback internal port), never an api key: it names every key
+    assert (await call(px.url, "GET", "/metrics", key=k["prom"]))[0] == 200
+    got, raw, _ = await call(px.url, "GET", "/metrics", key=k["app"])
+    assert got == 403 and "scrape key" in err(raw)["message"]
+    assert (await call(px.url, "GET", "/metrics"))[0] == 401
+    assert (await call(px.internal, "GET", "/metrics"))[0] == 200
+    counts = px.server.counts
+    assert counts["chat:unauthorized"] == 4 and counts["other:unauthorized"] == 4, dict(counts)
+
+
+async def test_the_single_api_key_file_keeps_working_beside_named_keys(fresh, proxy_factory):
+    tbl, k = keys()
+    px = await proxy_factory(make_cfg([fresh["p0"].url], [fresh["d0"].url], keys=tbl, api_key="legacy-key-12345"))
+    assert (await call(px.url, "POST", "/v1/chat/completions", CHAT, "legacy-key-12345"))[0] == 200
+    assert (await call(px.url, "GET", "/metrics", key="legacy-key-12345"))[0] == 200
+    assert (await call(px.url, "POST", "/v1/chat/completions", CHAT, k["app"]))[0] == 200
+    assert guard.keyring(replace(px.server.cfg, keys=None, api_key=None)) is None    # no key: the door is open
+
+
+async def test_over_its_limit_a_key_gets_429_with_retry_after_and_rate_limit_headers(door):
+    px, _, k = door
+    for _ in range(2):
+        got, _, h = await call(px.url, "POST", "/v1/chat/completions", CHAT, k["slow"])
+        assert got == 200 and h["x-ratelimit-limit-requests"] == "2"
+    got, raw, h = await call(px.url, "POST", "/v1/chat/completions", CHAT, k["slow"])
+    e = err(raw)
+    assert got == 429 and e["type"] == "rate_limit_error" and e["code"] == "rate_limit_rpm", raw
+    assert 1 <= int(h["Retry-After"]) <= 60 and h["x-ratelimit-remaining-requests"] == "0"
+    assert h["x-ratelimit-reset-requests"].endswith("s")
+    assert (await call(px.url, "GET", "/v1/models", key=k["slow"]))[0] == 429     # every route counts
+    assert (await call(px.url, "POST", "/v1/chat/completions", CHAT, k["app"]))[0] == 200   # others untouched
+    # tokens per minute: each request reserves its prompt + max_tokens until it ends
+    big = dict(CHAT, max_tokens=300)
+    assert (await call(px.url, "POST", "/v1/chat/completions", big, k["tight"]))[0] == 200
+    got, raw, h = await call(px.url, "POST", "/v1/chat/completions", big, k["tight"])
+    assert got == 429 and err(raw)["code"] == "rate_limit_tpm" and h["x-ratelimit-limit-tokens"] == "400", raw
+    snap = px.server.quota.snapshot()
+    assert snap["slow"]["refused"] == {"rpm": 2} and snap["tight"]["tokens_last_min"] > 0, snap
+    assert px.server.counts["chat:rate_limited"] == 2
+
+
+async def test_a_key_revoked_by_reload_fails_next_while_its_open_stream_finishes(door, fresh):
+    px, tbl, k = door
+    fresh["d0"].mode("ok", token_delay_s=0.15)
+    body = dict(CHAT, stream=True, max_tokens=12)
+    got_events = []
+
+    async def stream():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            async with s.post(px.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                              headers={"Authorization": f"Bearer {k['app']}"}) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        got_events.append(line.strip())
+    task = asyncio.create_task(stream())
+    for _ in range(200):
+        if got_events:
+            break
+        await asyncio.sleep(0.02)
+    assert got_events, "the stream never started"
+    changes = px.server.reload(replace(px.server.cfg, keys=T.revoked(tbl, "app")))
+    assert any("API keys re-read" in c for c in changes), changes
+    got, raw, _ = await call(px.url, "POST", "/v1/chat/completions", CHAT, k["app"])
+    assert got == 401 and err(raw)["code"] == "revoked_api_key"
+    await asyncio.wait_for(task, 30)
+    assert got_events[-1] == b"data: [DONE]", got_events[-3:]
