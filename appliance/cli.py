@@ -15,6 +15,7 @@ from .doctor import cli as doctor_cli
 from .errors import EXIT_BAD, EXIT_FAIL, CliError
 from .fleet import cli as fleet_cli
 from .install import cli as install
+from .keys import cli as keys_cli
 from .launcher import cli as launcher_cli
 from .model import cli as model_cli
 from .plan import cli as plan_cli
@@ -26,7 +27,7 @@ from .views import export as export_cli
 
 # in the order of `pdctl --help`; demo before the entry points (the UI adds the demo's dashboard to it)
 VERB_GROUPS = (plan_cli, install, twin_cli, proxy_cli, views_cli, launcher_cli, demo, bench_cli, fleet_cli, export_cli,
-               model_cli, doctor_cli)
+               model_cli, doctor_cli, keys_cli)
 ENTRY_POINT_GROUP = "pdctl.verbs"
 # verbs the UI package is expected to add: without it they say why instead of argparse's "invalid choice"
 UI_VERBS = {"tui": "live dashboard (Textual); works at 80x24 over SSH"}

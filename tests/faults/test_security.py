@@ -2,7 +2,8 @@
 
 - every listening socket of the appliance except the proxy's public port is bound to loopback;
 - the KV server's HTTP admin API is unreachable from a non-loopback address (the proxy is, as a control);
-- the optional API key on the public port: 401 without it, /health open;
+- the optional API key on the public port: 401 without it, /health open; named keys (``pdctl keys``) in force
+  at once through ``systemctl reload``, a revoked one refused on its next request;
 - env files 0600 root, every unit and every process runs as ``pdctl``;
 - ``systemd-analyze security`` <= 3.0 for every installed unit;
 - no config value is ever interpolated into a shell (units use argv; no shell in appliance/ subprocess calls).
@@ -202,6 +203,54 @@ def test_api_key_through_the_proxy_unit(installed):
         box.run(["rm", "-rf", "/etc/systemd/system/pd-proxy.service.d"])
         _restart_proxy(box)
     assert _guarded(box)[0] == 200, "the key must be gone with the drop-in"
+
+
+def _status(box, path: str, key: str = "") -> tuple:
+    extra = ("-H", f"Authorization: Bearer {key}") if key else ()
+    return curl(box, f"http://127.0.0.1:{PROXY_PORT}{path}", *extra)
+
+
+def test_named_keys_with_pdctl_keys_and_systemctl_reload(installed):
+    """``pdctl keys add`` before the file is in force, ``[proxy] keys_file`` + ``pdctl apply``; then a key added
+    or revoked while the proxy runs is in force at once (``pdctl keys`` reloads pd-proxy through systemd, which
+    the proxy's journal shows), /health stays open, a key of another box is refused."""
+    box = installed
+    pdctl = "/usr/local/bin/pdctl"
+    r = box.run([pdctl, "keys", "add", "app", "--file", "/etc/pdctl/keys.toml"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    app = r.stdout.strip()
+    assert "not the proxy's [proxy] keys_file" in r.stderr
+    st = box.run(["stat", "-c", "%a %U", "/etc/pdctl/keys.toml"], check=True).stdout.split()
+    assert st == ["600", "pdctl"], st                 # the proxy (user pdctl) reads it, nobody else
+    cfg = box.read("/etc/pdctl/pdctl.toml")
+    new = re.sub(r'(?m)^keys_file\s*=.*$', 'keys_file = "/etc/pdctl/keys.toml"', cfg)
+    assert new != cfg, "pdctl.toml has no keys_file line (config template)"
+    box.write("/etc/pdctl/pdctl.toml", new)
+    try:
+        r = box.run([pdctl, "apply"], timeout=300)
+        assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
+        assert wait_until(lambda: _status(box, "/v1/models", app)[0] == 200, 30), _status(box, "/v1/models", app)
+        assert _status(box, "/v1/models")[0] == 401 and _status(box, "/health")[0] == 200
+        code, body = _status(box, "/v1/models", "sk-pd-" + "x" * 43)
+        assert code == 401 and "wrong API key" in body, body
+        r = box.run([pdctl, "keys", "add", "second", "--rpm", "100"], timeout=90)
+        assert r.returncode == 0 and "pd-proxy.service reloaded" in r.stderr, r.stderr
+        second = r.stdout.strip()
+        assert _status(box, "/v1/models", second)[0] == 200              # in force without a restart
+        r = box.run([pdctl, "keys", "revoke", "app"], timeout=90)
+        assert r.returncode == 0 and "reloaded" in r.stderr, r.stderr
+        code, body = _status(box, "/v1/models", app)
+        assert code == 401 and "revoked_api_key" in body, body
+        listing = box.run([pdctl, "keys", "list"], check=True).stdout
+        assert "revoked" in listing and app not in listing and second not in listing
+        journal = box.run(["journalctl", "-u", "pd-proxy.service", "--no-pager", "-n", "200"]).stdout
+        assert "API keys re-read" in journal, journal[-1500:]
+    finally:
+        box.write("/etc/pdctl/pdctl.toml", cfg)
+        box.run([pdctl, "apply"], timeout=300)
+        box.run(["rm", "-f", "/etc/pdctl/keys.toml", "/etc/pdctl/.keys.toml.lock"])
+        _restart_proxy(box)
+    assert _status(box, "/v1/models")[0] == 200, "the door must be open again without keys_file"
 
 
 def test_api_key_from_the_settings_file(installed):
