@@ -21,6 +21,12 @@ STALL_FLOOR_S = 12.0   # the box's [proxy] stall_floor_s (product default 5 s): 
 #                        Above what a busy CI machine costs the twin engines (a run with a busy core saw them
 #                        silent 8.6 s while the proxy restarted under load, and at 5 s their streams were cut as
 #                        hung), below the hung-decoder row's hang (test_faults_systemd.HANG_S)
+PROXY_WATCHDOG_S = 30.0  # the box's [proxy] watchdog_s (product default 10 s: pings every 5 s while its own /health
+#                          answers within 5 s). ci11, a run starved past one busy core, lost 34 streams at once in
+#                          the decoder-500 row (p50 15 s, every open request cut before its first byte, the way a
+#                          proxy restart cuts them): most likely the watchdog, whose question is a wedged proxy, not
+#                          a slow machine. No row of this suite tests the proxy's watchdog (test_proxy_lifecycle
+#                          tests the KV server's; tests/proxy/test_lifecycle the proxy's, in-process)
 COMFORTABLE_RPS = 4.0     # what the twin stack (1P3D) serves on a 2-core CI box with p50 flat (measured: 12 rps ok)
 LOAD_RPS = 2 * COMFORTABLE_RPS
 
