@@ -58,7 +58,7 @@ def register_entry_points(sub: argparse._SubParsersAction) -> None:
     for verb, help_text in UI_VERBS.items():
         if verb not in sub.choices:
             _add_unavailable(sub, verb, help_text, "the tui package is not installed (or its entry point is not "
-                             f"registered: reinstall pdctl, `pip install -e .` in a checkout)")
+                             "registered: reinstall pdctl, `pip install -e .` in a checkout)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -128,3 +128,38 @@ def listen_fds(environ: dict | None = None, pid: int | None = None, unset: bool 
             continue          # not open: systemd passed fewer than it said; use what is there
         out.append((fd, names[i] if i < len(names) and names[i] else "unknown"))
     return out
+
+
+# ---- the journal's native protocol (systemd.journal-fields(7), "Native Journal Protocol") ------------------
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+_FIELD_OK = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+
+
+def journal_fields(fields: dict) -> bytes:
+    """One native-protocol datagram: ``NAME=value`` lines; a value with a newline uses the protocol's
+    binary form (name, newline, 64-bit little-endian length, value). Names must be upper case, digits and _
+    and must not start with _ (those are journald's own): others are dropped, never sent garbled."""
+    out = bytearray()
+    for name, value in fields.items():
+        if not name or name[0] == "_" or not set(name) <= _FIELD_OK or value is None:
+            continue
+        data = str(value).encode("utf-8", "replace")
+        if b"\n" in data:
+            out += name.encode() + b"\n" + len(data).to_bytes(8, "little") + data + b"\n"
+        else:
+            out += name.encode() + b"=" + data + b"\n"
+    return bytes(out)
+
+
+def journal_send(fields: dict, path: str = JOURNAL_SOCKET) -> bool:
+    """Send one structured entry to journald (``MESSAGE``, ``PRIORITY``, ``SYSLOG_IDENTIFIER`` and any
+    ``PDCTL_*`` fields); False when there is no journal here (not a systemd host, a test): the caller then
+    writes its line elsewhere. journald adds the sender's unit (``journalctl -u`` finds the entry)."""
+    if not os.path.exists(path):
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(journal_fields(fields), path)
+        return True
+    except OSError:
+        return False

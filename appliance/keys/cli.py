@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .. import constants as C
 from ..errors import EXIT_BAD, EXIT_FAIL, CliError
+from . import audit
 from . import table as T
 
 
@@ -133,12 +134,25 @@ def _describe(k: T.NamedKey) -> str:
     return f"{k.name}: class {k.klass}, scope {k.scope}, limits: {lim or 'none'}"
 
 
-def _edit(args, change) -> int:
+def operator() -> str:
+    """Who runs this edit, for the audit: the sudo caller, else the user."""
+    import pwd
+    by = os.environ.get("SUDO_USER", "")
+    if by:
+        return by
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
+
+
+def _edit(args, change, action: str) -> int:
     path, in_force = keys_path(args)
     try:
         with _Locked(path):
             new, secret, what = change(read(path))
             write(path, new)
+            audit.Trail().emit(audit.key_change(action, args.name, operator(), str(path)))
     except T.KeysError as e:
         raise CliError(str(e)) from None
     except PermissionError as e:
@@ -158,21 +172,21 @@ def cmd_add(args) -> int:
     def change(tbl):
         new, secret = T.added(tbl, args.name, args.klass, args.scope, _limits(args))
         return new, secret, "created key " + _describe(new.named(args.name))
-    return _edit(args, change)
+    return _edit(args, change, "add")
 
 
 def cmd_revoke(args) -> int:
     def change(tbl):
         new = T.revoked(tbl, args.name)
         return new, "", f"revoked key {args.name!r}: refused from its next request, its open streams finish"
-    return _edit(args, change)
+    return _edit(args, change, "revoke")
 
 
 def cmd_rotate(args) -> int:
     def change(tbl):
         new, secret = T.rotated(tbl, args.name)
         return new, secret, f"rotated key {args.name!r}: the old secret stops working, the new one is below"
-    return _edit(args, change)
+    return _edit(args, change, "rotate")
 
 
 def cmd_list(args) -> int:

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from functools import partial
 
+from ..keys.audit import RequestEntry, Trail
 from ..keys.quota import Quota
 from ..wire.server import Response, Server
 from ..wire.tasks import cancel_and_wait
@@ -55,6 +56,7 @@ class ProxyServer:
         self.gate = Gate(self, cfg.admission, cfg.admission_prior)   # admission by the SLO (admission.py)
         self.keyring = guard.keyring(cfg)     # who may use the public port (None: no key configured)
         self.quota = Quota()                  # each key's use against its limits; survives reloads
+        self.trail = Trail(fallback=lambda f: log.info("%s", f["MESSAGE"]))   # the audit (keys/audit.py)
         self.responses = SR.Homes()      # where each stored Responses API answer lives (stored_responses.py)
         self.watcher = Watcher(self)
         self.started = time.monotonic()
@@ -125,27 +127,55 @@ class ProxyServer:
         return real
 
     async def _door(self, request, handler):
-        """The public port with keys on (guard.py): identify, then count the request against its key's limits
-        (a generation reserves its tokens later, once parsed: orchestrate.admit_generation)."""
+        """The public port with keys on (guard.py): identify, count the request against its key's limits (a
+        generation reserves its tokens later, once parsed: orchestrate.generate), and write its audit entry
+        (keys/audit.py) when it ends, however it ends; open paths (/health, /ready) are not audited."""
         who = guard.identify(self.keyring, request)
-        if isinstance(who, ProxyError):
-            self._count(routes.label(request.path), "unauthorized")
-            return error_response(who, client_request_id(request))
-        request.caller = who
-        if who is None or request.path in routes.GEN_PATHS:
+        if who is None:
             return await handler(request)
-        v = self.quota.admit(who)
-        if not v.ok:
-            self._count(routes.label(request.path), "rate_limited")
-            err = guard.over_limit(v)
-            return Response(err.body(), err.status, guard.refusal_headers(v))
+        t0 = time.monotonic()
+        label = routes.label(request.path)
+        name = guard.claimed(self.keyring, request) if isinstance(who, ProxyError) else who.name
+        entry = request.trail = RequestEntry(name, request.method, label)
+        resp = None
         try:
-            resp = await handler(request)
+            if isinstance(who, ProxyError):
+                self._count(label, "unauthorized")
+                resp = error_response(who, client_request_id(request))
+                return resp
+            request.caller = who
+            if request.path in routes.GEN_PATHS:
+                resp = await handler(request)
+                return resp
+            v = self.quota.admit(who)
+            if not v.ok:
+                self._count(label, "rate_limited")
+                err = guard.over_limit(v)
+                resp = Response(err.body(), err.status, guard.refusal_headers(v))
+                return resp
+            try:
+                resp = await handler(request)
+            finally:
+                self.quota.finish(who, 0, 0)
+            if resp is not None:
+                resp.headers.update(v.headers)
+            return resp
+        except asyncio.CancelledError:
+            entry.code = entry.code or "client_disconnect"
+            raise
         finally:
-            self.quota.finish(who, 0, 0)
+            self._audit(entry, request, resp, t0)
+
+    def _audit(self, entry: RequestEntry, request, resp, t0: float) -> None:
+        entry.duration_s = round(time.monotonic() - t0, 4)
+        entry.completion_tokens = request.completion_tokens
         if resp is not None:
-            resp.headers.update(v.headers)
-        return resp
+            entry.status = resp.status
+            if resp.status >= 400 and not entry.code:
+                entry.code = guard.error_code(resp.body)
+        else:
+            entry.status = 200 if request.started else 499     # 499: the client left before any answer
+        self.trail.emit(entry.fields())
 
     def reload(self, new_cfg: ProxyConfig) -> list:
         """Apply a re-read plan without dropping a connection (lifecycle.reload); returns what changed."""

@@ -7,7 +7,7 @@ named ``api_key_file`` with no limits, as before). With no key configured the do
 key) or the single ``api_key_file`` key; the loopback internal port serves it without a key. An ``api`` key
 cannot read ``/metrics`` (it names every key). A revoked key is told so (401 ``revoked_api_key``); its open
 streams finish. Per-key limits (appliance/keys/quota.py): generations reserve their tokens after parsing
-(orchestrate.py, ``admit_generation``), every other guarded route counts as one request of 0 tokens here.
+(orchestrate.generate), every other guarded route counts as one request of 0 tokens here.
 """
 from __future__ import annotations
 
@@ -76,6 +76,23 @@ def identify(ring: KeyTable | None, request) -> NamedKey | ProxyError | None:
     if k.scope != "*" and (k.scope == "metrics") != (request.path == METRICS_PATH):
         return wrong_scope(k, request.path)
     return k
+
+
+def claimed(ring: KeyTable, request) -> str:
+    """The name of the key a refused request presented ("-" when it matches none): a revoked or out-of-scope
+    key is named in the audit, a wrong one is not."""
+    k = ring.match(bearer(request))
+    return k.name if k is not None else "-"
+
+
+def error_code(body: bytes) -> str:
+    """``error.code`` of an answer in OpenAI's error shape ("" when it is not one), for the audit entry."""
+    import json
+    try:
+        code = json.loads(body).get("error", {}).get("code")
+    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
+        return ""
+    return code if isinstance(code, str) and len(code) <= 64 and code.isprintable() else ""
 
 
 def refusal_headers(v: Verdict) -> dict:

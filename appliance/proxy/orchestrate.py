@@ -55,6 +55,9 @@ async def generate(s, request: Request, path: str, kind: str):
         prompt = parsed.prompt_tokens_est if parsed.tokens_exact else \
             s.chars_per_token.estimate(len(parsed.prompt_text))
         reserve = prompt + (mt or (max(0, mml - prompt) if mml else 0))
+        trail = getattr(request, "trail", None)       # the audit entry (app._door)
+        if trail is not None:
+            trail.prompt_tokens = prompt
         v = s.quota.admit(who, reserve)
         if not v.ok:
             s._count(kind, "rate_limited")
@@ -159,6 +162,9 @@ async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, t
         m.pd_skipped.labels(skip).inc()
         s.counts["skip:" + skip] += 1
     route = "decode_only" if skip else "pd"
+    trail = getattr(request, "trail", None)
+    if trail is not None:
+        trail.decision = route
     unmovable = api.unmovable(parsed.body) if parsed.stream else "not_streamed"
     token_ids = cfg.token_ids and parsed.stream and unmovable is None and cfg.max_migrations > 0
     data = api.decode_data(decode_body(request.body, parsed.body, kv_params, token_ids), parsed.body, rid)
@@ -181,6 +187,8 @@ async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, t
             request.completion_tokens = completion_tokens(d.body)
         if d.status == 200:
             dt = time.monotonic() - t0
+            if trail is not None:
+                trail.ttft_s = round(dt, 4)
             m.ttft_path[route].observe(dt)
             m.e2e_path[route].observe(dt)
             s._count(kind, "ok")

@@ -194,6 +194,11 @@ class Relay:
         self.s._count(job.kind, outcome)
         m.e2e_path[job.route].observe(time.monotonic() - job.t0)
         self.request.completion_tokens = max(0, self.events - 2)   # ~tokens relayed (a key's quota counts them)
+        trail = getattr(self.request, "trail", None)                # the audit entry (app._door)
+        if trail is not None:
+            trail.ttft_s = round(t_first - job.t0, 4)
+            if outcome != "ok":
+                trail.code = outcome
 
     def _slo(self, backend, t_first: float, streams0: int) -> None:
         """A whole answer went out: count it as good when it met both SLOs, and teach admission its worker's TPOT

@@ -4,5 +4,5 @@
 
 Views render what the collector measured; they measure nothing themselves.
 
-May import: settings, policy, inventory, plan, collector, fleet
+May import: settings, policy, inventory, plan, collector, fleet, keys
 """

@@ -89,6 +89,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
         instances = [w.instance for w in _plan(args.config).workers]
     except Exception:  # noqa: BLE001 - logs must work even when the plan is unreadable
         instances = []
+    if args.audit or args.key:
+        return _audit_logs(args)
     names = args.target or ["all"]
     units = [journal.resolve_unit(n, instances) for n in names]
     if units == [C.TARGET_UNIT]:
@@ -113,6 +115,32 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _audit_logs(args: argparse.Namespace) -> int:
+    """``pdctl logs --audit [--key NAME]``: the audit trail (one entry per request while keys are on, one per key
+    change; keys/audit.py), from the journal by its fields, whichever unit wrote them."""
+    from appliance.keys.audit import IDENT
+    from appliance.views import journal
+    if args.target:
+        print("pdctl logs: --audit reads the audit entries of every unit: drop the target "
+              f"({' '.join(args.target)})", file=sys.stderr)
+        return EXIT_BAD
+    matches = [f"SYSLOG_IDENTIFIER={IDENT}"] + ([f"PDCTL_KEY={args.key}"] if args.key else [])
+    try:
+        if args.follow:
+            for ln in journal.follow([], since=args.since, lines=args.lines, matches=matches):
+                print(ln.render(), flush=True)
+            return EXIT_OK
+        lines, err = journal.read([], since=args.since, lines=args.lines, matches=matches)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    if err:
+        print(f"pdctl logs: {err}", file=sys.stderr)
+        return EXIT_FAIL
+    for ln in lines:
+        print(ln.render())
+    return EXIT_OK
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="one-shot state of the box: roles, GPUs, KV hit rates, TTFT")
     p.add_argument("--json", action="store_true", help="the Snapshot as JSON (NA values as {\"na\": reason})")
@@ -127,5 +155,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--since", default="", help="journalctl --since (e.g. -10min, today)")
     p.add_argument("-n", "--lines", type=int, default=200)
     p.add_argument("-p", "--priority", default="", help="emerg..debug or 0-7 (that level and more severe)")
+    p.add_argument("--audit", action="store_true", help="the audit trail: one entry per request on the public port while "
+                                                        "keys are on, one per `pdctl keys` change")
+    p.add_argument("--key", default="", metavar="NAME", help="--audit entries of this key only")
     p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml or plan.json")
     p.set_defaults(func=cmd_logs)

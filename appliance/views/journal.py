@@ -51,7 +51,8 @@ def resolve_unit(name: str, instances: Optional[list] = None) -> str:
 
 def journal_argv(units: list[str], *, since: str = "", after_cursor: str = "", lines: int = 0,
                  follow: bool = False, priority: str = "", journalctl: str = "journalctl",
-                 directory: str = "") -> list[str]:
+                 directory: str = "", matches: tuple = ()) -> list[str]:
+    """``matches``: FIELD=value terms (journalctl(1) MATCHES), e.g. the audit's SYSLOG_IDENTIFIER."""
     argv = [journalctl, "-o", "json", "--no-pager", f"--output-fields={FIELDS}"]
     if directory:
         argv.append(f"--directory={directory}")
@@ -69,6 +70,11 @@ def journal_argv(units: list[str], *, since: str = "", after_cursor: str = "", l
         argv.append(f"--priority={priority}")
     if follow:
         argv.append("--follow")
+    for m in matches:
+        name, eq, _ = m.partition("=")
+        if not eq or not name or not name.replace("_", "").isalnum() or not name.isupper():
+            raise ValueError(f"journal match {m!r}: use FIELD=value with an upper-case field name")
+        argv.append(m)
     return argv
 
 
@@ -111,12 +117,13 @@ def parse(text: str) -> list[LogLine]:
 
 
 def read(units: list[str], *, since: str = "", after_cursor: str = "", lines: int = 200, priority: str = "",
-         timeout_s: float = 5.0, journalctl: str = "journalctl", directory: str = "") -> tuple[list[LogLine], str]:
+         timeout_s: float = 5.0, journalctl: str = "journalctl", directory: str = "",
+         matches: tuple = ()) -> tuple[list[LogLine], str]:
     """Recent lines (not following). Returns (lines, error): the error is text a view can show."""
     if shutil.which(journalctl) is None:
         return [], "journalctl not found (not a systemd host)"
     argv = journal_argv(units, since=since, after_cursor=after_cursor, lines=lines, priority=priority,
-                        journalctl=journalctl, directory=directory)
+                        journalctl=journalctl, directory=directory, matches=tuple(matches))
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -129,9 +136,10 @@ def read(units: list[str], *, since: str = "", after_cursor: str = "", lines: in
 
 
 def follow(units: list[str], *, since: str = "", lines: int = 50, journalctl: str = "journalctl",
-           directory: str = "") -> Iterator[LogLine]:
+           directory: str = "", matches: tuple = ()) -> Iterator[LogLine]:
     """Follow lines as they arrive (``pdctl logs -f``); the caller stops it by closing the generator."""
-    argv = journal_argv(units, since=since, lines=lines, follow=True, journalctl=journalctl, directory=directory)
+    argv = journal_argv(units, since=since, lines=lines, follow=True, journalctl=journalctl, directory=directory,
+                        matches=tuple(matches))
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

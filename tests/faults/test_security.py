@@ -245,6 +245,15 @@ def test_named_keys_with_pdctl_keys_and_systemctl_reload(installed):
         assert "revoked" in listing and app not in listing and second not in listing
         journal = box.run(["journalctl", "-u", "pd-proxy.service", "--no-pager", "-n", "200"]).stdout
         assert "API keys re-read" in journal, journal[-1500:]
+        # the audit trail: one structured entry per request (the proxy, as user pdctl, writes to journald),
+        # one per key change; `pdctl logs --audit --key` reads them by field
+        def audit(*more):
+            return box.run([pdctl, "logs", "--audit", *more, "-n", "500"], timeout=30).stdout
+        assert wait_until(lambda: "audit second GET models 200" in audit("--key", "second"), 10), audit()
+        mine = audit("--key", "app")
+        assert "audit app GET models 401 revoked_api_key" in mine and "audit key revoke app by root" in mine, mine
+        assert "audit - GET models 401 invalid_api_key" in audit() and "second" not in mine
+        assert app not in audit() and second not in audit()
     finally:
         box.write("/etc/pdctl/pdctl.toml", cfg)
         box.run([pdctl, "apply"], timeout=300)

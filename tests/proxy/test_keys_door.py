@@ -147,3 +147,55 @@ async def test_a_key_revoked_by_reload_fails_next_while_its_open_stream_finishes
     assert got == 401 and err(raw)["code"] == "revoked_api_key"
     await asyncio.wait_for(task, 30)
     assert got_events[-1] == b"data: [DONE]", got_events[-3:]
+
+
+MARKER = "ZEBRA-CANARY-7f3e"          # planted in every prompt: no audit entry may carry it
+
+
+async def test_the_audit_has_one_entry_per_request_and_never_the_prompt_or_the_key(door, fresh):
+    """1,000 requests of every kind (whole and streamed answers, a wrong key, a revoked key, a key over its
+    limit, a forwarded route): exactly one entry each, with the fields the issue names; none holds the planted
+    prompt text, an answer or a key."""
+    px, _, k = door
+    seen: list = []
+    px.server.trail.journal, px.server.trail.fallback = False, seen.append
+    prompt = {"role": "user", "content": f"say hi {MARKER}"}
+    kinds = [("POST", "/v1/chat/completions", dict(CHAT, messages=[prompt]), k["app"]),
+             ("POST", "/v1/chat/completions", dict(CHAT, messages=[prompt], stream=True), k["app"]),
+             ("POST", "/v1/completions", {"model": "tiny", "prompt": MARKER, "max_tokens": 3}, k["tight"]),
+             ("POST", "/v1/chat/completions", dict(CHAT, messages=[prompt]), "sk-pd-" + MARKER),
+             ("POST", "/v1/chat/completions", dict(CHAT, messages=[prompt]), k["gone"]),
+             ("POST", "/v1/chat/completions", dict(CHAT, messages=[prompt]), k["slow"]),
+             ("POST", "/tokenize", {"model": "tiny", "prompt": MARKER}, k["app"]),
+             ("GET", "/v1/models", None, k["app"])]
+    sem = asyncio.Semaphore(16)
+    statuses: list = []
+
+    async def one(i):
+        method, path, body, key = kinds[i % len(kinds)]
+        async with sem:
+            got, raw, _ = await call(px.url, method, path, body, key)
+            statuses.append(got)
+    await asyncio.gather(*(one(i) for i in range(1000)))
+    await asyncio.sleep(0.2)                          # the last streams' entries are written as they end
+    assert len(seen) == 1000, (len(seen), px.server.trail.sent)
+    text = "\n".join(json.dumps(f) for f in seen)
+    assert MARKER not in text and " say hi" not in text
+    for secret in k.values():
+        assert secret not in text
+    for f in seen:
+        assert {"PDCTL_KEY", "PDCTL_METHOD", "PDCTL_ROUTE", "PDCTL_STATUS", "PDCTL_CODE", "PDCTL_DECISION",
+                "PDCTL_PROMPT_TOKENS", "PDCTL_COMPLETION_TOKENS", "PDCTL_TTFT_S", "PDCTL_DURATION_S",
+                "MESSAGE"} <= set(f), f
+    by = {}
+    for f in seen:
+        by.setdefault((f["PDCTL_KEY"], f["PDCTL_ROUTE"], f["PDCTL_STATUS"], f["PDCTL_CODE"]), []).append(f)
+    assert len(by[("-", "chat", 401, "invalid_api_key")]) == 125
+    assert len(by[("gone", "chat", 401, "revoked_api_key")]) == 125
+    assert len(by[("slow", "chat", 429, "rate_limit_rpm")]) == 123       # its first two passed (rpm 2)
+    ok_chat = by[("app", "chat", 200, "")]
+    assert len(ok_chat) == 250 and all(f["PDCTL_DECISION"] in ("pd", "decode_only") for f in ok_chat)
+    assert all(f["PDCTL_PROMPT_TOKENS"] > 0 and f["PDCTL_COMPLETION_TOKENS"] > 0 and f["PDCTL_TTFT_S"] != ""
+               for f in ok_chat)
+    assert sum(len(v) for key, v in by.items() if key[0] == "app" and key[1] in ("tokenize", "models")) == 250
+    assert statuses.count(200) == sum(1 for f in seen if f["PDCTL_STATUS"] == 200)
