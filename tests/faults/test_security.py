@@ -249,7 +249,8 @@ def test_named_keys_with_pdctl_keys_and_systemctl_reload(installed):
         # one per key change; `pdctl logs --audit --key` reads them by field
         def audit(*more):
             return box.run([pdctl, "logs", "--audit", *more, "-n", "500"], timeout=30).stdout
-        assert wait_until(lambda: "audit second GET models 200" in audit("--key", "second"), 10), audit()
+        assert wait_until(lambda: "audit app GET models 401 revoked_api_key" in audit("--key", "app"), 30), audit()
+        assert "audit second GET models 200" in audit("--key", "second"), audit()
         mine = audit("--key", "app")
         assert "audit app GET models 401 revoked_api_key" in mine and "audit key revoke app by root" in mine, mine
         assert "audit - GET models 401 invalid_api_key" in audit() and "second" not in mine
