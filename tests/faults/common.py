@@ -27,6 +27,8 @@ PROXY_WATCHDOG_S = 30.0  # the box's [proxy] watchdog_s (product default 10 s: p
 #                          proxy restart cuts them): most likely the watchdog, whose question is a wedged proxy, not
 #                          a slow machine. No row of this suite tests the proxy's watchdog (test_proxy_lifecycle
 #                          tests the KV server's; tests/proxy/test_lifecycle the proxy's, in-process)
+TPOT_SLO_MS = 2000.0     # the box's [workload] tpot_slo_ms (default 80): admission must not read a starved
+#                          machine's slow twin decoding as overload (conftest.py)
 COMFORTABLE_RPS = 4.0     # what the twin stack (1P3D) serves on a 2-core CI box with p50 flat (measured: 12 rps ok)
 LOAD_RPS = 2 * COMFORTABLE_RPS
 
