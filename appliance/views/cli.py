@@ -96,12 +96,18 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if units == [C.TARGET_UNIT]:
         units = [C.KV_UNIT, C.PROXY_UNIT] + [C.worker_unit(i) for i in instances] if instances else \
             [C.KV_UNIT, C.PROXY_UNIT, "pd-worker@*.service"]
+    return _print_journal(args, units, priority=args.priority)
+
+
+def _print_journal(args: argparse.Namespace, units: list, priority: str = "", matches: tuple = ()) -> int:
+    """The journal lines of ``units`` (and ``matches``) to stdout, followed with ``-f``; errors as exit codes."""
+    from appliance.views import journal
     try:
         if args.follow:
-            for ln in journal.follow(units, since=args.since, lines=args.lines):
+            for ln in journal.follow(units, since=args.since, lines=args.lines, matches=matches):
                 print(ln.render(), flush=True)
             return EXIT_OK
-        lines, err = journal.read(units, since=args.since, lines=args.lines, priority=args.priority)
+        lines, err = journal.read(units, since=args.since, lines=args.lines, priority=priority, matches=matches)
     except ValueError as e:
         print(f"pdctl logs: {e}", file=sys.stderr)
         return EXIT_BAD
@@ -119,26 +125,12 @@ def _audit_logs(args: argparse.Namespace) -> int:
     """``pdctl logs --audit [--key NAME]``: the audit trail (one entry per request while keys are on, one per key
     change; keys/audit.py), from the journal by its fields, whichever unit wrote them."""
     from appliance.keys.audit import IDENT
-    from appliance.views import journal
     if args.target:
         print("pdctl logs: --audit reads the audit entries of every unit: drop the target "
               f"({' '.join(args.target)})", file=sys.stderr)
         return EXIT_BAD
-    matches = [f"SYSLOG_IDENTIFIER={IDENT}"] + ([f"PDCTL_KEY={args.key}"] if args.key else [])
-    try:
-        if args.follow:
-            for ln in journal.follow([], since=args.since, lines=args.lines, matches=matches):
-                print(ln.render(), flush=True)
-            return EXIT_OK
-        lines, err = journal.read([], since=args.since, lines=args.lines, matches=matches)
-    except KeyboardInterrupt:
-        return EXIT_OK
-    if err:
-        print(f"pdctl logs: {err}", file=sys.stderr)
-        return EXIT_FAIL
-    for ln in lines:
-        print(ln.render())
-    return EXIT_OK
+    matches = (f"SYSLOG_IDENTIFIER={IDENT}",) + ((f"PDCTL_KEY={args.key}",) if args.key else ())
+    return _print_journal(args, [], matches=matches)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
