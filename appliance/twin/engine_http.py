@@ -4,7 +4,8 @@ Routes: ``/health`` and ``/ping`` (GET; /ping POST too), ``/version``, ``/v1/mod
 ``POST /tokenize``, ``POST /v1/completions``, ``POST /v1/chat/completions`` and the loopback-only admin route
 ``/twin/fault`` (faults.py). Every other route passes the fault gate first: ``hang`` holds it until the fault
 is cleared, ``dead`` answers /health and /ping 503, ``dead`` and ``http500`` answer a POST under /v1/ with
-vLLM's 500 JSON. ``die_mid_stream:N`` cuts an answer's connection after N tokens. The JSON itself is
+vLLM's 500 JSON. ``die_mid_stream:N`` cuts an answer's connection after N tokens; ``hang_mid_stream:N`` turns into ``hang`` once an
+answer has sent N tokens. The JSON itself is
 openai_json.py's; the simulation is engine.py's. A client that goes away aborts its request (the wire server
 cancels the handler), as vLLM does.
 """
@@ -157,6 +158,7 @@ class EngineSurface:
             kind, val = await live.q.get()
             if kind == "tok":
                 text.append(tokens.filler(g.start + val))
+                self.eng.fault.sent(live.n)
                 if cut_after is not None and live.n >= cut_after:
                     self.eng.abort(seq)
                     _cut(request)
@@ -184,6 +186,7 @@ class EngineSurface:
             if kind == "fin":
                 break
             await request.write(OJ.sse(OJ.token_chunk(g, head, val, eng.fingerprint)))
+            eng.fault.sent(live.n)
             if cut_after is not None and live.n >= cut_after and val != g.max_tokens - 1:
                 eng.abort(seq)
                 _cut(request)

@@ -9,15 +9,18 @@ Modes (set with ``--fault MODE[:ARG]`` or ``POST /twin/fault {"mode": ..., "arg"
 - ``http500``         completions answer HTTP 500 with vLLM's error JSON; /health stays 200;
 - ``dead``            vLLM's EngineDeadError: /health answers 503, completions 500;
 - ``die_mid_stream[:N]``  a response is cut after N tokens (default 3) by closing the connection
-                      without the final chunk or ``[DONE]``.
+                      without the final chunk or ``[DONE]``;
+- ``hang_mid_stream[:N]`` armed: the engine turns ``hang`` the moment any answer has sent N tokens (default 3),
+                      so the hang freezes at least one stream mid-answer, whatever the load's timing (a test that
+                      sampled "is a stream open?" and then hung the engine lost the race on a starved machine).
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 
-MODES = ("none", "crash", "hang", "slow", "http500", "dead", "die_mid_stream")
-DEFAULT_ARG = {"slow": 5.0, "die_mid_stream": 3.0}
+MODES = ("none", "crash", "hang", "slow", "http500", "dead", "die_mid_stream", "hang_mid_stream")
+DEFAULT_ARG = {"slow": 5.0, "die_mid_stream": 3.0, "hang_mid_stream": 3.0}
 
 
 class FaultError(ValueError):
@@ -48,6 +51,11 @@ class Fault:
             self.resumed.clear()
         else:
             self.resumed.set()
+
+    def sent(self, n: int) -> None:
+        """An answer has sent its ``n``-th token: an armed ``hang_mid_stream`` fires now."""
+        if self.mode == "hang_mid_stream" and n >= self.arg:
+            self.set("hang")
 
     @property
     def slow_factor(self) -> float:

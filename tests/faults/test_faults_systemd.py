@@ -24,6 +24,7 @@ LOAD_S = 16.0        # seconds of load per fault (covers a restart: RestartSec 5
 ANSWER_TOKENS = 64   # long enough that a failure lands mid-stream (the first round used 16)
 STALL_BOUND_S = STALL_FLOOR_S  # the box's [proxy] stall_floor_s: a hung decoder's streams move after this silence
 INJECT_AT = 2.0      # the fault lands this long after the load starts
+HANG_AT_TOKEN = 8    # the hung decoder hangs once one of its answers has sent this many tokens (of ANSWER_TOKENS)
 HANG_S = 45.0        # the hung decoder's hang: far past the stall bound, so a stream that waited it out is plain
 READMIT_S = 30.0     # healthy -> re-admitted within this (0.7-1.8 s measured): a re-admission that waits out
                      # a long cool-down fails, a busy machine's probe delays do not
@@ -251,22 +252,23 @@ def test_systemctl_stop_decoder(box):
     assert seen
 
 
-def hang_mid_stream(box, inst: str, within: float) -> int:
-    """Hang ``inst`` at a moment the proxy is streaming an answer from it, read back after the hang is set (the
-    stream is then frozen on it, so it must be moved); -> the streams frozen there. A stream that ended between the
-    read and the hang is a missed try: the hang is cleared at once (~0.1 s, far below any bound) and tried again.
-    Without this, a hang that lands between two streams (the load client late on a busy machine) leaves only
-    first-byte waits to retry and nothing to move."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if ((backend(box, inst) or {}).get("streams") or 0) >= 1:
-            set_fault(box, inst, "hang")
-            frozen = (backend(box, inst) or {}).get("streams") or 0
-            if frozen >= 1:
-                return frozen
-            set_fault(box, inst, "none")
-        time.sleep(0.05)
-    raise AssertionError(f"{inst}: the proxy streamed no answer from it within {within:g} s of load")
+def fault_mode(box, inst: str) -> str | None:
+    port = worker(box, inst)["port"]
+    code, body = curl(box, f"http://127.0.0.1:{port}/twin/fault", max_s=10, timeout=20)
+    return json.loads(body).get("mode") if code == 200 else None
+
+
+def hang_mid_stream(box, inst: str, within: float) -> None:
+    """Arm ``inst`` to hang the moment one of its answers has sent HANG_AT_TOKEN tokens (the twin's
+    ``hang_mid_stream`` fault), and wait for it to fire: the hang then freezes at least that stream mid-answer, so
+    it must be moved. Sampling "is a stream open?" and then hanging lost the race on a starved CI machine (the
+    status and fault calls took longer than the streams: no stream seen open in 14 s of load)."""
+    set_fault(box, inst, "hang_mid_stream", HANG_AT_TOKEN)
+    fired = wait_until(lambda: fault_mode(box, inst) == "hang", within)
+    if not fired:
+        set_fault(box, inst, "none")      # disarmed: the rows after this one get a healthy box
+    assert fired, f"{inst}: no answer of its reached token {HANG_AT_TOKEN} within {within:g} s of load " \
+                  f"(proxy's view: {backend(box, inst)})"
 
 
 def injected(box, inst: str, mode: str, arg=None, lasts: float = 5.0) -> tuple:

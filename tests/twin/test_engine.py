@@ -181,6 +181,20 @@ def test_faults(procs):
         httpx.get(base + "/health", timeout=0.5)
     fault(base, "none")
     assert httpx.get(base + "/health").status_code == 200
+    # armed: the engine hangs the moment an answer has sent its 4th token, so that answer freezes mid-stream
+    fault(base, "hang_mid_stream", 4)
+    assert httpx.get(base + "/health").status_code == 200          # armed, not yet fired
+    got = []
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", base + "/v1/completions", json={**req, "stream": True},
+                          timeout=httpx.Timeout(10, read=5)) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got.append(line)
+    assert len(got) == 4, got
+    assert httpx.get(base + "/twin/fault").json()["mode"] == "hang"
+    fault(base, "none")
+    assert httpx.get(base + "/health").status_code == 200
     assert httpx.post(base + "/twin/fault", json={"mode": "melt"}).status_code == 400
     fault(base, "crash")
     assert proc.wait(timeout=5) == 1
