@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import constants as C
 from appliance.policy.decide import R_FEW_UNCACHED
+from appliance.proxy.config import ProxyConfig
 from tests.real.stack import expected_hit_tokens, long_prompt, metric_sum
 from tests.cache import CACHE
 from tests.install.common import WHEELHOUSE, build_wheelhouse
@@ -142,6 +143,24 @@ def all_warm(box) -> bool:
     res = jobs(box, {"op": "get", "url": PROXY_INTERNAL + "/pdctl/status"})[0]
     warm = res.get("json", {}).get("kv_warm") or {}
     return bool(warm) and all(warm.values())
+
+
+CANARY_INTERVAL_S = ProxyConfig.canary_interval_s   # the installed proxy runs the default
+
+
+def settled(box) -> None:
+    """Every backend admitted and KV-warmed, at two reads a canary interval apart: the proxy's own warm-up (a
+    ~1,450-token store and retrieve, proxy/warmup.py) runs after the canary that follows a (re)admission, and one
+    inside a counted window adds its hits (ci18: 2,048 decoder hits for one 873-token request, 768 expected)."""
+    def now() -> bool:
+        st = jobs(box, {"op": "get", "url": PROXY_INTERNAL + "/pdctl/status"})[0].get("json", {})
+        warm = st.get("kv_warm") or {}
+        return bool(warm) and all(warm.values()) and all(b.get("state") == "closed" for b in st.get("backends", []))
+
+    for _ in range(2):
+        wait_for(now, 120, 0.5, "every backend admitted and KV-warmed by the proxy")
+        time.sleep(CANARY_INTERVAL_S + 1.0)
+    wait_for(now, 120, 0.5, "every backend admitted and KV-warmed by the proxy")
 
 
 # --- install -> pd.target ready --------------------------------------------------------------------
@@ -271,8 +290,7 @@ def test_kill_decoder_engine_systemd_restarts_proxy_readmits(box):
     wait_for(lambda: backend_state(box, 8200) == "closed", 60, 0.5, "the proxy to re-admit the decoder")
     TIMINGS["decoder_readmitted_s"] = round(time.monotonic() - t0, 1)
     # the proxy warms the re-admitted decoder's LMCache heartbeat with a retrieve of its own: count after it
-    wait_for(lambda: all_warm(box), 120, 0.5, "the proxy's KV warm-up of the restarted decoder")
-    time.sleep(1.0)
+    settled(box)
     # a long request through the restarted decoder: its KV comes from LMCache
     before_c = counters(box)
     res = one(box, complete(PROXY, prompt(150)))
@@ -333,6 +351,7 @@ def test_kv_server_absent_worker_waits_then_becomes_ready(box):
                             "waited_s": round(t1 - t_reg, 1), "ready_after_kv_back_s": round(time.monotonic() - t1, 1)}
     assert box.show(unit, "NRestarts")["NRestarts"] == before
     wait_for(lambda: kv_registered(box) == 2, 60, what="both workers' contexts in LMCache")
+    settled(box)        # the restarted prefiller's warm-up, and any other, before the counted request
     c0 = counters(box)
     res = one(box, complete(PROXY, prompt(170)))
     d = delta(c0, counters(box))
