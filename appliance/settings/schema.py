@@ -122,6 +122,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                      "make it root:pdctl 0640", "path?"),
         "keys_file": Key(str, "", "named API keys, one per caller, with their class and limits ('' = none); "
                                   "edit it with `pdctl keys add|list|revoke|rotate` (pdctl-owned, 0600)", "path?"),
+        "tls_cert_file": Key(str, "", "TLS on the public port: the certificate chain in PEM, leaf first ('' = plain "
+                                      "HTTP); `systemctl reload pd-proxy` picks up a renewed one", "path?"),
+        "tls_key_file": Key(str, "", "the certificate's private key in PEM, readable by the pdctl user "
+                                     "(root:pdctl 0640)", "path?"),
+        "tls_client_ca_file": Key(str, "", "mutual TLS: clients must show a certificate signed by this CA ('' = "
+                                           "any client; keys still apply)", "path?"),
         "public_status": Key(bool, False, "serve /pdctl/status on the public port for a fleet front node "
                                           "(read-only; refused without api_key_file)"),
         "on_prefill_failure": Key(str, "decode", "when every prefiller fails or none is up: decode (the request is "
@@ -150,8 +156,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                                 "(nginx keepalive_timeout)", "posf"),
         "send_timeout_s": Key(float, 60.0, "public port: a client that takes nothing of its answer for this long "
                                            "is dropped and its legs cancelled (nginx send_timeout)", "posf"),
-        "max_connections": Key(int, 4096, "public port: open connections at once; a new one beyond this gets a "
-                                          "503 and is closed", "conns"),
+        "max_connections": Key(int, 4096, "public port: open connections at once; at the limit the ones that serve "
+                                          "nobody (no request yet, then the longest-idle keep-alive ones) are closed "
+                                          "to make room; a new one beyond what can be reclaimed gets a 503",
+                               "conns"),
+        "max_connections_per_address": Key(int, 1024, "public port: open connections from one client address at "
+                                                      "once; one beyond gets a 429 and is closed (0 = no cap: a "
+                                                      "trusted load balancer in front)", "nonneg"),
         "max_header_bytes": Key(int, 65536, "public port: request line and headers larger than this get 431 (counted "
                                                    "while they arrive)", "bytes1k"),
         "max_body_bytes": Key(int, 32 * 1024 * 1024, "public port: request bodies larger than this get 413",

@@ -234,8 +234,10 @@ class Conn(asyncio.BufferedProtocol):
 class Pool:
     """Keep-alive connections to one engine (host, port)."""
 
-    def __init__(self, host: str, port: int, connect_timeout_s: float = 1.0):
+    def __init__(self, host: str, port: int, connect_timeout_s: float = 1.0, ssl=None):
+        """``ssl``: an ``ssl.SSLContext`` to speak TLS (a client of pdctl's TLS port; engines speak plain HTTP)."""
         self.host, self.port, self.connect_timeout_s = host, port, connect_timeout_s
+        self.ssl = ssl
         self._host = f"Host: {host}:{port}\r\n"
         self._idle: list = []
         self._all: set = set()
@@ -252,8 +254,9 @@ class Pool:
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(self.loop.create_connection(lambda: Conn(self), self.host, self.port),
-                                             self.connect_timeout_s)
+            tls = {"ssl": self.ssl, "server_hostname": self.host} if self.ssl is not None else {}
+            _, conn = await asyncio.wait_for(self.loop.create_connection(lambda: Conn(self), self.host, self.port,
+                                                                         **tls), self.connect_timeout_s)
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"connect to {self.host}:{self.port} took over {self.connect_timeout_s:g} s") \
                 from None

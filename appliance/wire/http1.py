@@ -110,6 +110,10 @@ class Connection(asyncio.Protocol):
         self.head_bytes = 0       # bytes of the current request head received so far, complete or not
         self.fresh = True         # no request has begun yet: an expired deadline closes without an answer
         self.read_deadline: float | None = None    # loop time by which the next read step must be done
+        self.addr: str | None = None     # the client's address, counted against max_connections_per_address
+        self.idle_since = 0.0            # loop time it last became idle (connected, or its last answer ended)
+        self.handshake: asyncio.Task | None = None   # TLS: the handshake under way (Server.ssl at accept time)
+        self.early: list = []            # TLS: bytes decrypted before the handshake's task resumed
         self.write_deadline: float | None = None   # loop time by which a paused write must have drained
         self._reset_message()
 
@@ -123,23 +127,83 @@ class Connection(asyncio.Protocol):
 
     # --- transport callbacks ------------------------------------------------------------------
     def connection_made(self, transport):
-        self.transport = transport
         srv = self.server
-        if len(srv.conns) >= srv.limits.max_connections:
-            self._refuse()
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        addr = peer[0] if isinstance(peer, tuple) and peer else None
+        cap = srv.limits.max_connections_per_address
+        if addr is not None and cap and srv.per_address[addr] >= cap:
+            self._refuse(429, f"{srv.name} already holds {srv.per_address[addr]} connections from {addr}, its limit "
+                              "per client address ([listener] max_connections_per_address); reuse a keep-alive "
+                              "connection or close some", "too_many_connections_per_address",
+                         "refused_per_address")
+            return
+        if len(srv.conns) >= srv.limits.max_connections and not srv.reclaim():
+            self._refuse(503, f"{srv.name} already holds {len(srv.conns)} client connections, its limit "
+                              "([listener] max_connections), and none is idle; retry shortly",
+                         "too_many_connections", "refused_max_connections")
             return
         srv.conns.add(self)
-        self.read_deadline = srv.loop.time() + srv.limits.header_timeout_s
+        if addr is not None:
+            self.addr = addr
+            srv.per_address[addr] += 1
+        self.idle_since = srv.loop.time()
+        if srv.ssl is not None:              # TLS: counted from the TCP accept, so a handshake flood meets the caps
+            transport.pause_reading()        # the ClientHello is the TLS layer's, not the HTTP parser's
+            self.handshake = srv.loop.create_task(self._start_tls(transport, srv.ssl))
+            return
+        self.read_deadline = self.idle_since + srv.limits.header_timeout_s
 
-    def _refuse(self) -> None:
-        """Over the connection cap: a 503 in OpenAI's shape, then close (after the client had time to read it)."""
+    async def _start_tls(self, raw, ctx) -> None:
+        """TLS over the accepted connection with the context in force when it came (a reload's new certificates
+        apply to the next connections); bounded by header_timeout_s. Then the request head's deadline starts."""
+        srv = self.server
+        try:
+            tls = await srv.loop.start_tls(raw, self, ctx, server_side=True,
+                                           ssl_handshake_timeout=srv.limits.header_timeout_s)
+        except asyncio.CancelledError:
+            raw.abort()
+            self._gone()
+            raise
+        except Exception as e:  # noqa: BLE001 - any failed handshake ends this connection only
+            srv.stats["tls_handshake_failed"] += 1
+            log.debug("TLS handshake with %s failed: %s", self.addr, e)
+            raw.abort()
+            self._gone()
+            return
+        finally:
+            self.handshake = None
+        if self.closed or tls is None:
+            return
+        self.transport = tls                 # every answer goes through the TLS layer from now on
+        self.idle_since = srv.loop.time()
+        self.read_deadline = self.idle_since + srv.limits.header_timeout_s
+        early, self.early = self.early, []
+        for data in early:
+            self.data_received(data)
+
+    def _gone(self) -> None:
+        """Forget this connection: its slot and its address's count (once)."""
+        self.closed = True
+        srv = self.server
+        if self in srv.conns:
+            srv.conns.discard(self)
+            if self.addr is not None:
+                srv.per_address[self.addr] -= 1
+                if srv.per_address[self.addr] <= 0:
+                    del srv.per_address[self.addr]
+
+    def _refuse(self, status: int, message: str, code: str, stat: str) -> None:
+        """Over a connection cap: an answer in OpenAI's shape, then close (after the client had time to read it)."""
         srv = self.server
         self.dead = self.closed = True
-        srv.stats["refused_max_connections"] += 1
-        body = srv.error_body(503, f"{srv.name} already holds {len(srv.conns)} client connections, its limit "
-                                   "([listener] max_connections); retry shortly", "too_many_connections")
+        srv.stats[stat] += 1
         t = self.transport
-        t.write(_head(503, {"Content-Type": "application/json", "Content-Length": len(body), "Retry-After": 1},
+        if srv.ssl is not None:        # a TLS client cannot read a plain answer: closed before the handshake
+            t.close()
+            return
+        body = srv.error_body(status, message, code)
+        t.write(_head(status, {"Content-Type": "application/json", "Content-Length": len(body), "Retry-After": 1},
                       b"Connection: close\r\n") + body)
         try:
             if t.can_write_eof():
@@ -149,8 +213,7 @@ class Connection(asyncio.Protocol):
         srv.loop.call_later(_LINGER_S, t.close)
 
     def connection_lost(self, exc):
-        self.closed = True
-        self.server.conns.discard(self)
+        self._gone()
         if self.task is not None and not self.task.done():
             self.task.cancel()
         if self.drain_waiter is not None and not self.drain_waiter.done():
@@ -167,6 +230,9 @@ class Connection(asyncio.Protocol):
             self.drain_waiter.set_result(None)
 
     def data_received(self, data):
+        if self.handshake is not None:       # TLS: the first bytes came before start_tls handed us the transport
+            self.early.append(data)
+            return
         if self.dead:
             return
         phase0, begins0 = self.phase, self.begins
@@ -357,7 +423,8 @@ class Connection(asyncio.Protocol):
             if self.queue and not self.closed:
                 self.task = self.server.loop.create_task(self._serve())
             elif not self.closed and self.phase == IDLE:
-                self.read_deadline = self.server.loop.time() + self.server.limits.keepalive_timeout_s
+                self.idle_since = self.server.loop.time()
+                self.read_deadline = self.idle_since + self.server.limits.keepalive_timeout_s
 
     def idle(self) -> bool:
         return self.task is None and not self.queue and self.phase == IDLE

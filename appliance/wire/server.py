@@ -9,20 +9,30 @@ Every resource a client can hold is bounded (``Limits``, the ``[listener]`` sect
 uvicorn's defaults were the model): the request head must arrive within ``header_timeout_s`` and may not exceed
 ``max_header_bytes`` even while incomplete, a body may pause at most ``body_timeout_s`` between reads, an idle
 keep-alive connection lives ``keepalive_timeout_s``, a client that takes nothing of its answer for
-``send_timeout_s`` is dropped (its handler is cancelled), and beyond ``max_connections`` a new connection gets a
-503 and is closed. One sweep per server checks the deadlines. ``drain`` stops accepting and lets in-flight
-answers finish (a graceful stop); ``start(sock=...)`` serves a socket handed over by systemd.
+``send_timeout_s`` is dropped (its handler is cancelled). At ``max_connections`` the connections that serve
+nobody are closed to make room (``reclaim``: no request yet, then the longest-idle keep-alive ones); only when
+none is idle does a new connection get a 503; one client address may hold ``max_connections_per_address`` (a 429
+beyond), so one flooding address cannot take the listener. With an ``ssl.SSLContext`` the listener speaks
+HTTP/1.1 over TLS, started on each accepted connection: a connection counts against the caps from its TCP accept,
+its handshake must end within ``header_timeout_s``, and ``set_ssl`` puts a new context (rotated certificates) in
+force for the next connections without closing any. One sweep per server checks the deadlines. ``drain`` stops
+accepting and lets in-flight answers finish (a graceful stop); ``start(sock=...)`` serves a socket handed over
+by systemd.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import ssl as _ssl
 from collections import Counter
 from dataclasses import dataclass
 
 from ..settings.schema import SCHEMA, schema_fields
 from .tasks import cancel_and_wait
 from .http1 import Connection, Request, Response
+
+log = logging.getLogger("pdctl.wire")
 
 __all__ = ["Limits", "Server", "Request", "Response"]
 
@@ -49,7 +59,7 @@ class Server:
     def __init__(self, dispatch, error_body, max_body: int | None = None, limits: Limits | None = None,
                  name: str = "the server"):
         self.name = name
-        self.limits = limits or Limits()
+        self.limits = limits or Limits(max_connections_per_address=0)   # a per-address cap is the public port's
         self.dispatch, self.error_body = dispatch, error_body
         self.max_body = max_body if max_body is not None else self.limits.max_body_bytes
         self.loop = None
@@ -57,11 +67,16 @@ class Server:
         self.conns: set = set()
         self.draining = False
         self.stats: Counter = Counter()     # connections closed or refused by a limit, by reason
+        self.per_address: Counter = Counter()   # open connections by client address
         self._sweeper: asyncio.Task | None = None
+        self.ssl: _ssl.SSLContext | None = None
 
-    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
-        """Listen on ``host:port``, or serve ``sock`` (a listening socket handed over by systemd)."""
+    async def start(self, host: str, port: int, sock: socket.socket | None = None,
+                    ssl: _ssl.SSLContext | None = None) -> int:
+        """Listen on ``host:port``, or serve ``sock`` (a listening socket handed over by systemd); over TLS with
+        ``ssl``."""
         self.loop = asyncio.get_running_loop()
+        self.ssl = ssl
         if sock is not None:
             self.server = await self.loop.create_server(lambda: Connection(self), sock=sock, backlog=2048)
         else:
@@ -69,6 +84,12 @@ class Server:
                                                         reuse_address=True)
         self._sweeper = self.loop.create_task(self._sweep())
         return self.server.sockets[0].getsockname()[1]
+
+    def set_ssl(self, ssl: _ssl.SSLContext | None) -> None:
+        """New connections get ``ssl`` (None: plain HTTP) from now on; open ones, and handshakes under way, keep
+        theirs. TLS is started on each accepted connection (Connection._start_tls) with the context in force at
+        its accept, so nothing is re-bound: no client is refused or cut by a change of certificates."""
+        self.ssl = ssl
 
     def set_limits(self, limits: Limits, max_body: int | None = None) -> None:
         """New limits for new deadlines and checks (a reload); deadlines already set run out as they were."""
@@ -82,6 +103,32 @@ class Server:
             for c in list(self.conns):
                 if c.read_deadline is not None or c.write_deadline is not None:
                     c.expire(now)
+
+    def reclaim(self) -> int:
+        """At max_connections: close what serves nobody to make room, as nginx reuses its idle connections.
+        First the connections that have sent no request yet, then idle keep-alive ones, the longest idle first,
+        a sixteenth of the limit at a time (one scan serves the next connections too). -> how many closed."""
+        now = self.loop.time()
+        spare = [c for c in self.conns if c.idle() and not c.dead and c.transport is not None]
+        if not spare:
+            return 0
+        spare.sort(key=lambda c: (not c.fresh, c.idle_since))
+        n = 0
+        for c in spare[:max(1, self.limits.max_connections // 16)]:
+            self.stats["reclaimed_no_request" if c.fresh else "reclaimed_idle"] += 1
+            c.dead = True
+            self.conns.discard(c)           # its slot is free now; connection_lost follows
+            if c.addr is not None:
+                self.per_address[c.addr] -= 1
+                if self.per_address[c.addr] <= 0:
+                    del self.per_address[c.addr]
+                c.addr = None
+            c.transport.close()
+            n += 1
+        if n:
+            log.info("at max_connections (%d): closed %d connection(s) that served nobody (%.0f s idle at most)",
+                     self.limits.max_connections, n, now - min(c.idle_since for c in spare[:n]))
+        return n
 
     def _close_idle(self) -> int:
         n = 0

@@ -269,8 +269,9 @@ def test_connections_beyond_max_connections_get_503_then_close(stack):
     cap = LIMITS["max_connections"]
     held = []
     try:
-        for _ in range(cap):
+        for _ in range(cap):        # each busy with a request head that has begun: an idle one would make room
             held.append(socket.create_connection(("127.0.0.1", stack.plan.proxy.port), timeout=10))
+            held[-1].sendall(b"POST /v1/completions HTTP/1.1\r\n")
         # no sleep: the listen backlog is first in, first out, so the proxy accepts the held ones before this one;
         # what bounds the test is header_timeout_s (1.5 s) closing the held ones, ~15x the ~0.1 s this takes
         got, closed = exchange(stack, post("/v1/completions", GOOD))

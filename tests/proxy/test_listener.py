@@ -144,6 +144,9 @@ async def test_connections_beyond_the_cap_get_503_and_close(fresh, proxy_factory
     px = await proxy(fresh, proxy_factory, header_timeout_s=30.0, keepalive_timeout_s=30.0, max_connections=3)
     port = px.server.public_port
     held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+    whole = req(extra="Connection: close\r\n")
+    for _, hw in held:          # each busy with a request head that has begun (an idle one would make room)
+        hw.write(whole[:20])
     await asyncio.sleep(0.1)
     r, w = await asyncio.open_connection("127.0.0.1", port)
     w.write(req())
@@ -153,7 +156,7 @@ async def test_connections_beyond_the_cap_get_503_and_close(fresh, proxy_factory
     assert err["code"] == "too_many_connections" and err["type"] == "service_unavailable"
     assert "max_connections" in err["message"]
     hr, hw = held[0]        # the held ones still work; once one goes, a new client is served again
-    hw.write(req(extra="Connection: close\r\n"))
+    hw.write(whole[20:])
     assert status(await read_all(hr)) == 200
     await asyncio.sleep(0.1)
     r, w = await asyncio.open_connection("127.0.0.1", port)

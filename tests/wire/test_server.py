@@ -185,9 +185,64 @@ async def test_limits(served):
     out = await exchange(port, b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n", until_close=True)   # idle keep-alive
     assert out.startswith(b"HTTP/1.1 200") and srv.stats["closed_idle"] >= 1
     held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+    for _, w in held:                  # each busy with a request head that has begun: nothing to reclaim
+        w.write(b"GET /echo HTTP/1.1\r\n")
+    await asyncio.sleep(0.05)
     out = await exchange(port, b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n", until_close=True)
     assert out.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in out and b"too_many_connections" in out
     for _, w in held:
+        w.close()
+
+
+async def test_at_the_cap_connections_that_serve_nobody_make_room(served):
+    """max_connections held by connections that sent nothing, and one idle keep-alive connection: a new client
+    is served; the oldest request-less ones go first, the keep-alive one after them, a busy one never."""
+    app, srv, port = await served(max_connections=4, header_timeout_s=30.0, keepalive_timeout_s=30.0)
+    ka_r, ka_w = await asyncio.open_connection("127.0.0.1", port)        # served once, then idle keep-alive
+    ka_w.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.wait_for(ka_r.readuntil(b"\r\n\r\n"), 5)
+    busy_r, busy_w = await asyncio.open_connection("127.0.0.1", port)
+    busy_w.write(b"GET /echo HTTP/1.1\r\n")                            # a head that has begun: busy
+    silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    assert len(srv.conns) == 4
+    newcomers = []
+    for _ in range(3):     # each keeps its connection: two silent ones, then the longest-idle one, make room
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+        newcomers.append((r, w))
+    assert srv.stats["reclaimed_no_request"] == 2 and srv.stats["reclaimed_idle"] == 1, srv.stats
+    for r, _ in silent + [(ka_r, ka_w)]:
+        assert await asyncio.wait_for(r.read(), 5) == b""               # closed without an answer
+    busy_w.write(b"Host: x\r\n\r\n")                                   # the busy one is still there
+    assert (await asyncio.wait_for(busy_r.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+    for _, w in silent + newcomers + [(ka_r, ka_w), (busy_r, busy_w)]:
+        w.close()
+
+
+async def test_one_address_is_held_at_its_cap(served):
+    app, srv, port = await served(max_connections_per_address=3, header_timeout_s=30.0)
+    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    out = await exchange(port, b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n", until_close=True)
+    assert out.startswith(b"HTTP/1.1 429") and b"too_many_connections_per_address" in out and b"127.0.0.1" in out
+    out = await exchange2(port, "127.0.0.2")                            # another address: served
+    assert out.startswith(b"HTTP/1.1 200"), out[:200]
+    assert srv.stats["refused_per_address"] == 1 and srv.per_address["127.0.0.1"] == 3
+    for _, w in held:
+        w.close()
+    await asyncio.sleep(0.1)
+    assert srv.per_address.get("127.0.0.1", 0) == 0                   # counted down as they close
+
+
+async def exchange2(port: int, source: str) -> bytes:
+    """One request from the loopback address ``source`` (any of 127/8 is this machine)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    w.write(b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    try:
+        return await asyncio.wait_for(r.read(65536), 5)
+    finally:
         w.close()
 
 
