@@ -63,7 +63,7 @@ class ProxyServer:
         self.started_wall = int(time.time())
         self.canary = {"ok": False, "at": None, "last_ok": None, "error": "no canary has run yet", "ms": None}
         self._canary_long = True     # see canary_once
-        self._servers: list = []
+        self._servers: list = []     # the public listener first, then the internal one
         self._tasks: list = []
         self.sockets: dict = {}      # listening sockets handed over by systemd (lifecycle.adopt), by listener
         self.public_port = cfg.port
@@ -100,17 +100,18 @@ class ProxyServer:
     # ----- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        ctx = lifecycle.tls_context(self.cfg)      # a TlsError (named file) before anything has started
         self.watcher.start()
         self._tasks.append(loop.create_task(canary_loop(self)))
         self._tasks.append(loop.create_task(stall_loop(self)))
-        self.public_port = await self._listen(self._public, self.cfg.host, self.cfg.port, lifecycle.PUBLIC)
+        self.public_port = await self._listen(self._public, self.cfg.host, self.cfg.port, lifecycle.PUBLIC, ctx)
         if self.cfg.internal_port is not None and self.cfg.internal_port >= 0:
             self.internal_port = await self._listen(self._internal, self.cfg.internal_host, self.cfg.internal_port,
                                                     lifecycle.INTERNAL)
         gc.collect()
         gc.freeze()   # long-lived objects out of the collector's way: fewer pauses on the data path
 
-    async def _listen(self, table: dict, host: str, port: int, which: str) -> int:
+    async def _listen(self, table: dict, host: str, port: int, which: str, ssl=None) -> int:
         def unknown(request):
             return routes.unknown(self, request)
 
@@ -122,7 +123,7 @@ class ProxyServer:
             return handler(request)
 
         srv = Server(dispatch, error_body, limits=lifecycle.limits(self.cfg, which), name="the proxy")
-        real = await srv.start(host, port, self.sockets.pop(which, None))
+        real = await srv.start(host, port, self.sockets.pop(which, None), ssl=ssl)
         self._servers.append(srv)
         return real
 
@@ -178,7 +179,8 @@ class ProxyServer:
         self.trail.emit(entry.fields())
 
     def reload(self, new_cfg: ProxyConfig) -> list:
-        """Apply a re-read plan without dropping a connection (lifecycle.reload); returns what changed."""
+        """Apply a re-read plan without dropping a connection (lifecycle.reload); returns what changed. New TLS
+        certificates apply to the connections accepted from then on."""
         return lifecycle.reload(self, new_cfg)
 
     async def drain(self, timeout_s: float) -> list:
@@ -223,6 +225,9 @@ class ProxyServer:
             "migrations_refused": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("migration_refused:")},
             "stalls": c.get("stalls", 0),
             "listener": dict(self._servers[0].stats) if self._servers else {},   # closed or refused, by reason
+            "tls": lifecycle.tls_status(self),
+            "connections": ({"open": len(self._servers[0].conns),
+                             "top_addresses": self._servers[0].per_address.most_common(5)} if self._servers else {}),
             "kv_warm": warmup.summary(self),     # each worker's LMCache heartbeat started (warmup.py)
             "chars_per_token": {"value": round(self.chars_per_token.value, 3), "learned": self.chars_per_token.learned},
             "telemetry": {"events": self.waiter.events, "matched": self.waiter.matched,

@@ -57,6 +57,11 @@ def register(subparsers) -> None:
     p.add_argument("--api-key-file", type=Path, help="file holding the key clients must send as Bearer")
     p.add_argument("--keys-file", type=Path, help="named keys with classes and limits ([proxy] keys_file; "
                                                   "`pdctl keys` edits it)")
+    p.add_argument("--tls-cert-file", type=Path, help="TLS on the public port: certificate chain in PEM "
+                                                      "([proxy] tls_cert_file)")
+    p.add_argument("--tls-key-file", type=Path, help="its private key in PEM ([proxy] tls_key_file)")
+    p.add_argument("--tls-client-ca-file", type=Path, help="mutual TLS: the CA of the clients' certificates "
+                                                           "([proxy] tls_client_ca_file)")
     p.add_argument("--backend-api-key-file", type=Path, help="file holding the engines' --api-key")
     p.add_argument("--kv-wait-s", type=float, help="bounded wait for LMCache's store-finished event")
     p.add_argument("--telemetry-prefill", action="store_true",
@@ -125,6 +130,10 @@ def config_from_args(args, plan=None) -> ProxyConfig:
         v = getattr(args, k)
         if v is not None:
             kw[k] = v
+    for k in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        v = getattr(args, k, None)
+        if v is not None:
+            kw[k] = str(Path(v).absolute())
     th = {f: getattr(args, f) for f in ("aggregate_max_uncached", "split_max_prefill_backlog",
                                         "split_idle_max_running", "consumer_max_uncached")
           if getattr(args, f) is not None}
@@ -175,6 +184,9 @@ async def serve(cfg: ProxyConfig, stop: asyncio.Event | None = None, reread=None
     adopted = sorted(server.sockets)
     try:
         await server.start()
+    except ValueError as e:      # tls.TlsError: a certificate file it cannot use, named
+        await server.stop()
+        raise SystemExit(f"pdctl proxy: {e}") from None
     except OSError as e:
         await server.stop()
         raise SystemExit(f"pdctl proxy: cannot listen on {cfg.host}:{cfg.port} or {cfg.internal_host}:"
@@ -194,7 +206,8 @@ async def serve(cfg: ProxyConfig, stop: asyncio.Event | None = None, reread=None
         except (NotImplementedError, RuntimeError, ValueError):
             pass
     how = f"sockets from systemd: {', '.join(adopted)}" if adopted else "bound by itself"
-    log.warning("pdctl proxy listening on %s:%s (internal %s:%s; %s), policy %s", cfg.host, server.public_port,
+    log.warning("pdctl proxy listening on %s:%s%s (internal %s:%s; %s), policy %s", cfg.host, server.public_port,
+                " over TLS" + (" (mutual)" if cfg.tls_client_ca_file else "") if cfg.tls_cert_file else "",
                 cfg.internal_host, server.internal_port, how, cfg.policy)
     sdnotify.ready(lifecycle.serving_status(server))
     period = sdnotify.watchdog_period()

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from dataclasses import fields, replace
 
 from .. import constants as C, sdnotify
+from ..keys import tls
 from . import guard
 from .backends import Backend
 from .routing import POLICIES, make_policy
@@ -31,7 +33,26 @@ def limits(cfg, which: str = PUBLIC) -> Limits:
     kw = {f.name: getattr(cfg, f.name) for f in fields(Limits)}
     if which != PUBLIC:
         kw["max_body_bytes"] = INTERNAL_MAX_BODY
+        kw["max_connections_per_address"] = 0      # every client of the loopback port has the same address
     return Limits(**kw)
+
+
+def tls_context(cfg):
+    """The public port's TLS context from [proxy] tls_* (None: plain HTTP); TlsError (a ValueError) names the file."""
+    files = tls.TlsFiles.of(cfg)
+    return tls.server_context(files) if files.on or files.incomplete() else None
+
+
+def tls_status(server) -> dict:
+    """What /pdctl/status says of TLS: on or off, mutual or not, the certificate's end (read at the last swap)."""
+    files = tls.TlsFiles.of(server.cfg)
+    if not files.on:
+        return {"on": False}
+    try:
+        end = tls.not_after(files.cert_file).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OSError, ValueError) as e:
+        end = f"unreadable: {e}"
+    return {"on": True, "mutual": files.mutual, "cert_file": files.cert_file, "not_after": end}
 
 
 def adopt(fds: list, cfg) -> dict:
@@ -77,6 +98,7 @@ def reload(server, new) -> list[str]:
     old = server.cfg
     if new.policy not in POLICIES:
         raise ValueError(f"unknown proxy policy {new.policy!r}: choose one of {', '.join(POLICIES)}")
+    ctx = tls_context(new)          # the files are read again (a renewed certificate); a bad one keeps the old
     changes = []
     where = ("host", "port", "internal_host", "internal_port")
     if any(getattr(new, k) != getattr(old, k) for k in where):
@@ -121,6 +143,12 @@ def reload(server, new) -> list[str]:
         server._public[("GET", C.BOX_STATUS_PATH)] = server.h_public_status
     for srv, which in zip(server._servers, (PUBLIC, INTERNAL)):
         srv.set_limits(limits(new, which))
+    if server._servers and (ctx is not None or server._servers[0].ssl is not None):
+        was = "on" if server._servers[0].ssl is not None else "off"
+        changes.append(f"TLS {was} -> {'on' if ctx is not None else 'off'}"
+                       + (f" (certificate {new.tls_cert_file} read again)" if ctx is not None else "")
+                       + ": new connections from now on, open ones keep theirs")
+        server._servers[0].set_ssl(ctx)
     return changes
 
 
@@ -138,19 +166,36 @@ def serving_status(server) -> str:
     return f"proxy on :{server.public_port}, {len(server.backends)} backends, policy {server.cfg.policy}"
 
 
-async def own_health(host: str, port: int, timeout_s: float) -> str:
-    """'' when GET /health through our own listener answers 200 within ``timeout_s``, else why not."""
+def _own_client_tls():
+    """The watchdog's TLS client for our own listener: it asks whether the loop answers, not who we are."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+async def own_health(host: str, port: int, timeout_s: float, tls_on: bool = False, mutual: bool = False) -> str:
+    """'' when GET /health through our own listener answers 200 within ``timeout_s``, else why not. Over TLS the
+    probe speaks TLS; with mutual TLS it has no client certificate, so the listener's refusal (a TLS alert) proves
+    the loop and the listener alive as well."""
     target = C.LOOPBACK if host in (C.ALL_INTERFACES, "") else "::1" if host == "::" else host
     try:
-        r, w = await asyncio.wait_for(asyncio.open_connection(target, port), timeout_s)
+        r, w = await asyncio.wait_for(asyncio.open_connection(
+            target, port, **({"ssl": _own_client_tls(), "server_hostname": ""} if tls_on else {})), timeout_s)
+    except ssl.SSLError:
+        if mutual:
+            return ""
+        return f"TLS handshake with {target}:{port} failed"
     except (OSError, asyncio.TimeoutError) as e:
         return f"connect to {target}:{port}: {e or 'timed out'}"
     try:
         w.write(b"GET /health HTTP/1.1\r\nHost: watchdog\r\nConnection: close\r\n\r\n")
         line = await asyncio.wait_for(r.readline(), timeout_s)
-        if line.startswith(b"HTTP/1.1 200"):
+        if line.startswith(b"HTTP/1.1 200") or (mutual and not line):
             return ""
         return f"/health answered {line[:40]!r}"
+    except ssl.SSLError:
+        return "" if mutual else "TLS error on /health"
     except (OSError, asyncio.TimeoutError) as e:
         return f"/health gave no answer within {timeout_s:g} s ({type(e).__name__})"
     finally:
@@ -161,12 +206,15 @@ async def watchdog_loop(server, period_s: float) -> None:
     """WATCHDOG=1 every ``period_s`` while /health answers through the public and the internal listener
     within the period: a wedged event loop or a listener that stopped accepting stops the pings, and
     systemd restarts the proxy (WatchdogSec). A client flood at max_connections answers 503, which still
-    proves the loop and the listener alive, so it does not count against the proxy."""
+    proves the loop and the listener alive, so it does not count against the proxy (nor does the 429 of the
+    per-address cap, when a flood comes from loopback too)."""
     failing = False
     while True:
         t0 = time.monotonic()
-        why = await own_health(server.cfg.host, server.public_port, period_s)
-        if why.startswith("/health answered b'HTTP/1.1 503"):
+        pub = server._servers[0].ssl if server._servers else None
+        why = await own_health(server.cfg.host, server.public_port, period_s, tls_on=pub is not None,
+                               mutual=pub is not None and pub.verify_mode == ssl.CERT_REQUIRED)
+        if why.startswith(("/health answered b'HTTP/1.1 503", "/health answered b'HTTP/1.1 429")):
             why = ""
         if not why and server.cfg.internal_port:
             why = await own_health(server.cfg.internal_host, server.internal_port, period_s)
