@@ -17,13 +17,14 @@ from .config_checks import (check_block_chunk, check_connector, check_kv_server,
 from .result import CANARY_MAX_AGE_S, FAIL, OK, STATUSES, WARN, NA_, Check  # noqa: F401
 from .runtime_checks import check_canary, check_hit_rate, check_placement, check_reap  # noqa: F401
 from .api_checks import check_tool_calling  # noqa: F401
+from .door_checks import check_front_door  # noqa: F401
 
 
 CHECKS: tuple[tuple[str, Callable[..., Check]], ...] = (
     ("engine versions", check_versions), ("kv server", check_kv_server), ("workers", check_workers),
     ("kv connector", check_connector), ("model string", check_model), ("block/chunk size", check_block_chunk),
     ("reap vs heartbeat", check_reap), ("lmcache hit rate", check_hit_rate), ("numa/pcie", check_placement),
-    ("canary", check_canary), ("tool calling", check_tool_calling),
+    ("canary", check_canary), ("tool calling", check_tool_calling), ("front door", check_front_door),
 )
 
 

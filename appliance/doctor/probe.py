@@ -126,6 +126,7 @@ class Facts:
     pcie: dict = field(default_factory=dict)   # PCI bus id -> {current_link_width, ...} or NA
     window_s: float = 0.0        # seconds between the two counter scrapes
     host_cpus: int = 0
+    door: tuple = ()             # keys.door findings: TLS files, keys file, keys over plain HTTP
 
 
 # ----- small readers ----------------------------------------------------------------------------------
@@ -374,7 +375,17 @@ def gather(plan: Any, *, window_s: float = 3.0, timeout_s: float = 1.0, engine_v
         metrics=(_metrics(first["kv:metrics"], KV_WANTED), _metrics(second["kv:metrics"], KV_WANTED)),
         proc=kproc, affinity=cpu_affinity(kproc.pid) if isinstance(kproc, Proc) else kproc)
     return Facts(workers=tuple(workers), kv=kvf, proxy_status=_json(first["proxy"]), venv=venv, units=units,
-                 inventory=inventory, numa=numa, pcie=pcie, window_s=window, host_cpus=os.cpu_count() or 0)
+                 inventory=inventory, numa=numa, pcie=pcie, window_s=window, host_cpus=os.cpu_count() or 0,
+                 door=tuple(door_findings(plan.proxy)))
+
+
+def door_findings(proxy) -> list:
+    from appliance.keys.door import findings
+    try:
+        return findings(proxy)
+    except OSError as e:             # a file that vanished between two reads: say so, never raise
+        from appliance.keys.tls import Finding
+        return [Finding("fail", f"reading the TLS or keys files: {e}")]
 
 
 def _inventory(plan: Any) -> Union[Inventory, NA]:

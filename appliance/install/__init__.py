@@ -4,5 +4,5 @@ service user reach a path; run by install.sh with the bare system Python), ``uni
 from the plan, pure), ``resources`` (where the unit templates live), ``host`` (the commands run as root),
 ``rollout`` (write what differs, restart only what changed) and ``readiness`` (the wait for /ready).
 
-May import: settings, model, inventory, plan, wire
+May import: settings, model, inventory, plan, wire, keys
 """

@@ -49,6 +49,8 @@ def preflight(plan: Plan, venv: Path, units_active: bool, engines_pending: bool 
             problems.append(pf.Problem(f"{s.path}: model.hf_token_file: {exc}", "see `pdctl config show`"))
     if problems:
         raise CliError(refusal_text(problems), EXIT_BAD)
+    for w in pf.door(plan)[1]:
+        print(f"pdctl install: warning: {w}", file=sys.stderr, flush=True)
 
 
 def model_to_fetch(s) -> tuple[str, Path, float] | None:

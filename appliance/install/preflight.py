@@ -187,6 +187,26 @@ def access_problems(plan: Plan, venv: Path, engines_pending: bool) -> list[Probl
     return out
 
 
+def door(plan: Plan) -> tuple[list[Problem], list[str]]:
+    """The front door's files (keys/door.py): refusals (a TLS file the proxy cannot use, a bad keys file, one
+    hidden from the units) and warnings (a certificate near its end, keys over plain HTTP)."""
+    from ..keys import door as D, tls
+    problems, warnings = [], []
+    for key, path in {**tls.TlsFiles.of(plan.proxy).paths(), "keys_file": plan.proxy.keys_file}.items():
+        h = pathcheck.hidden_by(path) if path else None
+        if h:
+            problems.append(Problem(f"[proxy] {key} = {path} is under {h[0]}, hidden from the units ({h[1]})",
+                                    "keep it under /etc/pdctl (for example /etc/pdctl/tls/) and point the key there"))
+    if problems:
+        return problems, warnings
+    for f in D.findings(plan.proxy):
+        if f.status == "fail":
+            problems.append(Problem(f.what, f.fix or "see docs/security.md"))
+        elif f.status == "warn":
+            warnings.append(f"{f.what} ({f.fix})" if f.fix else f.what)
+    return problems, warnings
+
+
 def engine_kind(engine: str) -> str | None:
     """Which engine set install-engines.sh installs for ``engine`` (None: no engine packages)."""
     return {"vllm": "gpu", "vllm-cpu": "cpu"}.get(engine)
@@ -208,4 +228,5 @@ def run(plan: Plan, venv: Path, *, units_active: bool, engines_pending: bool,
         needs.append(("model weights", model_fetch[0], model_fetch[1]))
     out += disk_problems(needs)
     out += access_problems(plan, venv, engines_pending)
+    out += door(plan)[0]
     return out

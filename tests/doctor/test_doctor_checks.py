@@ -279,3 +279,27 @@ def test_tool_calling_warns_when_tools_are_asked_for_without_a_parser():
     twin = make_plan(detect("fake:2xH200"), resolve_model("llama-3.1-8b"), Workload(),
                      Overrides(engine="twin", prefill=1, decode=1))
     assert K.check_tool_calling(twin, facts(twin)).status == "na"
+
+
+def test_front_door_takes_the_worst_finding_and_names_its_fix(tmp_path):
+    """The findings come from appliance/keys/door.py on the plan's [proxy]: TLS files made on the spot."""
+    from appliance.keys import door, tls
+    from tests.tlscerts import CA
+    plan = gpu_plan()
+    assert K.check_front_door(plan, facts(plan)).status == "ok"          # nothing configured: open, said so
+    ca = CA(tmp_path / "pki")
+    good, soon, other = ca.issue("good"), ca.issue("soon", days=3), ca.issue("other")
+    px = replace(plan.proxy, tls_cert_file=str(good.cert), tls_key_file=str(good.key))
+    c = K.check_front_door(plan, facts(plan, door=tuple(door.findings(px, user="root"))))
+    assert c.status == "ok" and "certificate valid until" in c.detail, c
+    px = replace(plan.proxy, tls_cert_file=str(soon.cert), tls_key_file=str(soon.key))
+    c = K.check_front_door(plan, facts(plan, door=tuple(door.findings(px, user="root"))))
+    assert c.status == "warn" and "expires" in c.detail and "systemctl reload pd-proxy" in c.fix, c
+    px = replace(plan.proxy, tls_cert_file=str(good.cert), tls_key_file=str(other.key), host="0.0.0.0",
+                 keys_file=str(tmp_path / "missing-keys.toml"))
+    c = K.check_front_door(plan, facts(plan, door=tuple(door.findings(px, user="root"))))
+    assert c.status == "fail" and "does not match" in c.detail and "missing-keys.toml" in c.detail, c
+    px = replace(plan.proxy, host="0.0.0.0", api_key_file="/etc/pdctl/api.key")
+    c = K.check_front_door(plan, facts(plan, door=tuple(door.findings(px, user="root"))))
+    assert c.status == "warn" and "clear text" in c.detail, c
+    assert tls.plain_keys_warning(px.host, False, True) in c.detail

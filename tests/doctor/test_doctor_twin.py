@@ -18,7 +18,7 @@ from appliance.stack.twin_stack import Stack, start_twin_stack, twin_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK_NAMES = ["engine versions", "kv server", "workers", "kv connector", "model string", "block/chunk size",
-               "reap vs heartbeat", "lmcache hit rate", "numa/pcie", "canary", "tool calling"]
+               "reap vs heartbeat", "lmcache hit rate", "numa/pcie", "canary", "tool calling", "front door"]
 
 
 def doctor(config: Path, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess:
