@@ -134,17 +134,20 @@ class Load:
     """The load client running inside the container, in a thread of ours; ``result()`` joins it."""
 
     def __init__(self, box, model: str, rps: float, seconds: float, key: str = "", prompts: str = "unique",
-                 max_tokens: int = 16, check_text: bool = False):
+                 max_tokens: int = 16, check_text: bool = False, base: str = "http://127.0.0.1:9000",
+                 cafile: str = ""):
         """``check_text``: every answer must be the twin's exact answer (MAX_TOKENS filler words from the
-        first): a stream continued on another worker with repeated or lost text counts as garbled."""
+        first): a stream continued on another worker with repeated or lost text counts as garbled. ``base``
+        https: over TLS, trusting ``cafile`` (a path inside the container)."""
         from appliance.twin.tokens import FILLER_WORDS
         self.out: dict = {}
-        args = [VENV_PY, LOADCLIENT, "http://127.0.0.1:9000", model, str(rps), str(seconds),
+        args = [VENV_PY, LOADCLIENT, base, model, str(rps), str(seconds),
                 "http://127.0.0.1:9001/pdctl/status", key, prompts, str(max_tokens),
                 ",".join(FILLER_WORDS) if check_text else ""]
+        env = {"LOADCLIENT_CAFILE": cafile} if cafile else None
 
         def go():
-            r = box.run(args, timeout=seconds + 90)
+            r = box.run(args, timeout=seconds + 90, env=env)
             try:
                 self.out = json.loads(r.stdout.strip().splitlines()[-1])
             except (ValueError, IndexError):

@@ -1,6 +1,7 @@
 """Open-loop load with a per-request verdict; run *inside* the container (stdlib only, raw HTTP).
 
 usage: loadclient.py URL MODEL RATE SECONDS [STATUS_URL] [API_KEY] [PROMPTS] [MAX_TOKENS] [CYCLE]
+(an https URL speaks TLS, trusting the CA file in $LOADCLIENT_CAFILE)
 
 PROMPTS ``unique`` (default: each prompt starts with its own id, so every request takes the P leg) or
 ``shared`` (one long shared prefix: the proxy may skip the P leg because the prefix is cached).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import sys
 import threading
 import time
@@ -101,7 +103,7 @@ def one(url: str, model: str, i: int, key: str, prompts: str = "unique", max_tok
     hdrs = {"Content-Type": "application/json"}
     if key:
         hdrs["Authorization"] = "Bearer " + key
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S)
+    conn = connection(u)
     try:
         conn.request("POST", "/v1/completions", body, hdrs)
         r = conn.getresponse()
@@ -129,6 +131,15 @@ def one(url: str, model: str, i: int, key: str, prompts: str = "unique", max_tok
         return "other", f"{type(e).__name__}: {e}"[:200]
     finally:
         conn.close()
+
+
+def connection(u) -> http.client.HTTPConnection:
+    """Plain HTTP, or TLS for an https URL, trusting the CA in $LOADCLIENT_CAFILE (else the system's)."""
+    if u.scheme == "https":
+        import ssl
+        ctx = ssl.create_default_context(cafile=os.environ.get("LOADCLIENT_CAFILE") or None)
+        return http.client.HTTPSConnection(u.hostname, u.port, timeout=TIMEOUT_S, context=ctx)
+    return http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S)
 
 
 def retries(status_url: str) -> tuple | None:

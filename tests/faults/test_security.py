@@ -4,6 +4,7 @@
 - the KV server's HTTP admin API is unreachable from a non-loopback address (the proxy is, as a control);
 - the optional API key on the public port: 401 without it, /health open; named keys (``pdctl keys``) in force
   at once through ``systemctl reload``, a revoked one refused on its next request;
+- TLS on the public port by ``pdctl apply``, its certificate renewed by ``systemctl reload`` under load;
 - env files 0600 root, every unit and every process runs as ``pdctl``;
 - ``systemd-analyze security`` <= 3.0 for every installed unit;
 - no config value is ever interpolated into a shell (units use argv; no shell in appliance/ subprocess calls).
@@ -11,13 +12,14 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 import time
 from pathlib import Path
 
 import pytest
 
-from .common import REPO, curl, plan, wait_until
+from .common import REPO, VENV_PY, curl, plan, wait_until
 
 pytestmark = [pytest.mark.systemd]
 PROXY_PORT = 9000
@@ -283,3 +285,75 @@ def test_api_key_from_the_settings_file(installed):
         box.write("/etc/pdctl/pdctl.toml", cfg)
         box.run(["/usr/local/bin/pdctl", "apply"], timeout=300)
         _restart_proxy(box)
+
+
+TLS_DIR = "/etc/pdctl/tls"
+
+
+def _server_pem(box, cafile: str) -> str:
+    """The certificate a new TLS connection to the public port is shown (PEM), read inside the container."""
+    code = ("import socket, ssl; c = ssl.create_default_context(cafile=%r); "
+            "s = c.wrap_socket(socket.create_connection(('127.0.0.1', %d), 10), server_hostname='localhost'); "
+            "print(ssl.DER_cert_to_PEM_cert(s.getpeercert(True)))" % (cafile, PROXY_PORT))
+    r = box.run([VENV_PY, "-c", code], timeout=30)
+    assert r.returncode == 0, r.stderr[-1500:]
+    return r.stdout.strip()
+
+
+def test_tls_on_by_apply_then_certificates_rotated_by_reload_under_load(installed, tmp_path):
+    """``[proxy] tls_cert_file``/``tls_key_file`` + ``pdctl apply``: the public port speaks TLS (curl with the CA:
+    200; without it: refused; plain HTTP: no answer), doctor's front-door row names the certificate's end; then
+    a renewed certificate put in place and ``systemctl reload pd-proxy`` while a TLS load runs: new connections get
+    the new certificate, and the load sees 0 refused, 0 cut, every answer whole."""
+    from tests.tlscerts import CA
+    from .common import LOAD_RPS, Load
+    box = installed
+    pdctl = "/usr/local/bin/pdctl"
+    ca = CA(tmp_path / "pki")
+    first, second = ca.issue("first"), ca.issue("second")
+    cafile, cert, key = f"{TLS_DIR}/ca.pem", f"{TLS_DIR}/server.pem", f"{TLS_DIR}/server.key"
+
+    def put(issued) -> None:
+        box.write(cert, issued.cert.read_text(), mode=0o644)
+        box.write(key, issued.key.read_text(), mode=0o640)
+        box.run(["chgrp", "pdctl", key], check=True)
+
+    box.write(cafile, ca.pem.read_text(), mode=0o644)
+    put(first)
+    cfg = box.read("/etc/pdctl/pdctl.toml")
+    new = re.sub(r'(?m)^tls_cert_file\s*=.*$', f'tls_cert_file = "{cert}"', cfg)
+    new = re.sub(r'(?m)^tls_key_file\s*=.*$', f'tls_key_file = "{key}"', new)
+    assert new.count(TLS_DIR) == 2, "pdctl.toml has no tls_cert_file/tls_key_file lines (config template)"
+    box.write("/etc/pdctl/pdctl.toml", new)
+    https = f"https://127.0.0.1:{PROXY_PORT}"
+    try:
+        r = box.run([pdctl, "apply"], timeout=300)
+        assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
+        assert wait_until(lambda: curl(box, https + "/v1/models", "--cacert", cafile)[0] == 200, 30), \
+            curl(box, https + "/v1/models", "--cacert", cafile)
+        assert curl(box, https + "/v1/models")[0] == 0                        # no CA: the handshake is refused
+        assert curl(box, f"http://127.0.0.1:{PROXY_PORT}/health")[0] != 200    # plain HTTP gets no answer
+        assert _server_pem(box, cafile) == first.cert.read_text().strip()
+        d = box.run([pdctl, "doctor", "--json"], timeout=120)
+        rows = {c["name"]: c for c in json.loads(d.stdout)["checks"]}
+        assert rows["front door"]["status"] == "ok" and "certificate valid until" in rows["front door"]["detail"], \
+            rows["front door"]
+        p = plan(box)
+        load = Load(box, p.get("served_model_name") or p["model"], LOAD_RPS, 12, max_tokens=32, check_text=True,
+                    base=https, cafile=cafile)
+        time.sleep(4)
+        put(second)
+        box.systemctl("reload", "pd-proxy.service", check=True, timeout=60)
+        assert wait_until(lambda: _server_pem(box, cafile) == second.cert.read_text().strip(), 20), \
+            "the renewed certificate is not served after the reload"
+        res = load.result()
+        assert "crashed" not in res, res
+        assert res["refused"] == 0 and res["cut"] == 0 and res["other"] == 0 and res["ok"] == res["sent"], res
+        journal = box.run(["journalctl", "-u", "pd-proxy.service", "--no-pager", "-n", "100"]).stdout
+        assert "TLS on -> on" in journal, journal[-1500:]
+    finally:
+        box.write("/etc/pdctl/pdctl.toml", cfg)
+        box.run([pdctl, "apply"], timeout=300)
+        box.run(["rm", "-rf", TLS_DIR])
+        _restart_proxy(box)
+    assert _guarded(box)[0] == 200, "plain HTTP again without the TLS keys"
