@@ -124,11 +124,19 @@ async def _engines(ports: list) -> None:
 
 
 # ----------------------------------------------------------------------------- lean load generator
+def client_tls(cafile: str):
+    """A TLS client context trusting ``cafile`` (the bench's own CA); None for plain HTTP."""
+    if not cafile:
+        return None
+    import ssl
+    return ssl.create_default_context(cafile=cafile)
+
+
 class Client:
     """The wire client's keep-alive pool to one host:port; one request per connection at a time."""
 
-    def __init__(self, port: int):
-        self.pool = Pool("127.0.0.1", port, connect_timeout_s=10.0)
+    def __init__(self, port: int, cafile: str = ""):
+        self.pool = Pool("127.0.0.1", port, connect_timeout_s=10.0, ssl=client_tls(cafile))
 
     async def post(self, path: str, body: bytes) -> tuple:
         """(ok, ttft_s, total_s): ok means HTTP 200 and a [DONE] at the end. Timed from the request written
@@ -156,9 +164,9 @@ class Client:
         return status == 200 and (done or b"data:" not in tail), ttft or total, total
 
 
-async def load(port: int, rate: float, duration: float, seed: int = 2003) -> dict:
+async def load(port: int, rate: float, duration: float, seed: int = 2003, cafile: str = "") -> dict:
     """Open-loop Poisson arrivals; returns TTFT percentiles and the delivered rate."""
-    cl = Client(port)
+    cl = Client(port, cafile)
     rng = random.Random(seed)
     results, tasks = [], []
     errors = {"n": 0, "last": ""}
@@ -241,6 +249,31 @@ def _router_bin() -> str | None:
 
 
 ADMISSION_OFF = "pdctl-admoff"     # the same proxy with [admission] mode = "off"
+TLS = "pdctl-tls"                  # the same proxy with TLS on its public port (certificates made by the bench)
+
+
+def make_certs() -> tuple:
+    """(cert, key, ca) files of a CA made for this run and a server certificate it signs, in a temp dir."""
+    import tempfile
+    from tests.tlscerts import CA
+    ca = CA(Path(tempfile.mkdtemp(prefix="pdctl-bench-tls-")))
+    s = ca.issue("server")
+    return str(s.cert), str(s.key), str(ca.pem)
+
+
+def _wait_tls(url: str, cafile: str, timeout: float, proc) -> None:
+    import urllib.request
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2, context=client_tls(cafile)) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready within {timeout:g} s")
+        time.sleep(0.2)
 
 
 def serve_proxy(mode: str, argv: list) -> None:
@@ -257,12 +290,21 @@ def serve_proxy(mode: str, argv: list) -> None:
 
 
 def start_target(name: str, p_port: int, d_port: int, baseline: Path | None = None):
-    """(port, process) of the thing to load: the decoder itself, pdctl (admission on, the default), pdctl-admoff
-    (admission off), pdctl-base (the same proxy from another checkout, ``--baseline``), or vllm-router."""
+    """(port, process, CA file or "") of the thing to load: the decoder itself, pdctl (admission on, the default),
+    pdctl-admoff (admission off), pdctl-tls (TLS on), pdctl-base (the same proxy from another checkout,
+    ``--baseline``), or vllm-router."""
     if name == "direct":
-        return d_port, None
+        return d_port, None, ""
     port = _free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    if name == TLS:
+        cert, key, ca = make_certs()
+        argv = [sys.executable, "-m", "appliance", "proxy", "--listen", f"127.0.0.1:{port}",
+                "--internal", "127.0.0.1:0", "--prefill", p_url, "--decode", d_url, "--pd-min-prompt-tokens", "0",
+                "--tls-cert-file", cert, "--tls-key-file", key]
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_tls(f"https://127.0.0.1:{port}/ready", ca, 30, proc)
+        return port, proc, ca
     if name == ADMISSION_OFF:
         argv = [sys.executable, __file__, "--proxy-mode", "off", "--listen", f"127.0.0.1:{port}",
                 "--internal", "127.0.0.1:0", "--prefill", p_url, "--decode", d_url, "--pd-min-prompt-tokens", "0"]
@@ -283,16 +325,35 @@ def start_target(name: str, p_port: int, d_port: int, baseline: Path | None = No
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]   # not its fixed 29000
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_http(f"http://127.0.0.1:{port}/v1/models", 60, proc)
-    return port, proc
+    return port, proc, ""
 
 
-def run_load(port: int, rate: float, duration: float) -> dict:
-    """The load generator in its own process (uvloop), so it does not share an event loop with anything."""
-    out = subprocess.run([sys.executable, __file__, "--load", str(port), str(rate), str(duration)],
+def run_load(target: tuple, rate: float, duration: float) -> dict:
+    """The load generator in its own process (uvloop), so it does not share an event loop with anything;
+    ``target`` is (port, CA file or "")."""
+    port, cafile = target
+    out = subprocess.run([sys.executable, __file__, "--load", str(port), str(rate), str(duration), cafile],
                          capture_output=True, text=True, timeout=duration * 6 + 60)
     if out.returncode != 0:
         raise RuntimeError(f"load generator failed: {out.stderr[-500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def connect_ms(port: int, cafile: str, n: int = 100) -> float:
+    """Median ms to open one connection to ``port`` (with its TLS handshake when ``cafile`` is given) and close it:
+    what a client pays once per connection; keep-alive pays it once for many requests."""
+    import socket
+    ctx = client_tls(cafile)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if ctx is not None:
+            s = ctx.wrap_socket(s, server_hostname="127.0.0.1")
+        times.append((time.perf_counter() - t0) * 1000)
+        s.close()
+    times.sort()
+    return times[len(times) // 2]
 
 
 def _row(name: str, r: dict, base: dict | None) -> str:
@@ -321,8 +382,9 @@ def main() -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=[60, 300])
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of load per target and rate")
     ap.add_argument("--slice", type=float, default=4.0, help="seconds per interleaved load slice")
-    ap.add_argument("--targets", nargs="+", default=["direct", "pdctl", ADMISSION_OFF, "vllm-router"],
-                    help=f"pdctl: admission on ([admission] mode slo, the default); {ADMISSION_OFF}: mode off")
+    ap.add_argument("--targets", nargs="+", default=["direct", "pdctl", ADMISSION_OFF, TLS, "vllm-router"],
+                    help=f"pdctl: admission on ([admission] mode slo, the default); {ADMISSION_OFF}: mode off; "
+                         f"{TLS}: TLS on the public port")
     ap.add_argument("--sustained-rate", type=float, default=600)
     ap.add_argument("--sustained-duration", type=float, default=20.0)
     ap.add_argument("--no-sustained", action="store_true")
@@ -347,11 +409,11 @@ def main() -> int:
             targets.insert(targets.index("pdctl") + 1 if "pdctl" in targets else len(targets), "pdctl-base")
         for name in targets:
             try:
-                port, proc = start_target(name, p_port, d_port, a.baseline)
+                port, proc, cafile = start_target(name, p_port, d_port, a.baseline)
             except RuntimeError as e:
                 print(f"{name}: not run: {e}")
                 continue
-            ports[name] = port
+            ports[name] = (port, cafile)
             procs.append(proc)
         print(f"proxy overhead on {os.cpu_count()} CPUs: instant engines, streaming Poisson load, {a.duration:g} s "
               f"per target and rate in interleaved {a.slice:g} s slices, {TOKENS} tokens per answer"
@@ -370,7 +432,19 @@ def main() -> int:
                 res["admission_cost"] = cost
                 print(f"  admission step (pdctl - {ADMISSION_OFF}): p50 {cost['p50_ms']:+.2f} ms  p99 "
                       f"{cost['p99_ms']:+.2f} ms  mean {cost['mean_ms']:+.3f} ms", flush=True)
+            if "pdctl" in res and TLS in res:
+                on, off = res[TLS], res["pdctl"]
+                cost = {"p50_ms": on["p50_ms"] - off["p50_ms"], "p99_ms": on["p99_ms"] - off["p99_ms"],
+                        "mean_ms": on["mean_ms"] - off["mean_ms"]}
+                res["tls_cost"] = cost
+                print(f"  TLS on keep-alive connections ({TLS} - pdctl): p50 {cost['p50_ms']:+.2f} ms  p99 "
+                      f"{cost['p99_ms']:+.2f} ms  mean {cost['mean_ms']:+.3f} ms", flush=True)
             results["rates"][str(rate)] = res
+        if "pdctl" in ports and TLS in ports:
+            plain, tls = connect_ms(*ports["pdctl"]), connect_ms(*ports[TLS])
+            results["connect_ms"] = {"pdctl": plain, TLS: tls}
+            print(f"new connection (median of 100): plain {plain:.2f} ms, TLS 1.3 handshake {tls:.2f} ms "
+                  f"(+{tls - plain:.2f} ms once per connection)", flush=True)
         if not a.no_sustained and "pdctl" in ports and "direct" in ports:
             rate = a.sustained_rate
             print(f"sustained {rate:g} req/s streamed ({a.sustained_duration:g} s each)")
@@ -403,7 +477,8 @@ if __name__ == "__main__":
     elif len(sys.argv) > 2 and sys.argv[1] == "--proxy-mode":
         serve_proxy(sys.argv[2], sys.argv[3:])
     elif len(sys.argv) > 1 and sys.argv[1] == "--load":
-        r = runner(load(int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])))
+        r = runner(load(int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]),
+                        cafile=sys.argv[5] if len(sys.argv) > 5 else ""))
         print(json.dumps(r))
     else:
         sys.exit(main())
