@@ -130,6 +130,8 @@ PROXY_ADMISSION = "pdctl_proxy_admission"               # counter {outcome,reaso
 PROXY_QUEUE_DEPTH = "pdctl_proxy_queue_depth"           # gauge: requests waiting in the admission queue
 PROXY_QUEUE_WAIT = "pdctl_proxy_queue_wait_seconds"     # histogram: time spent in the admission queue
 PROXY_GOOD = "pdctl_proxy_good_requests"                # counter: streamed answers within both SLOs (goodput)
+PROXY_KEY_REQUESTS = "pdctl_proxy_key_requests"         # counter {key,route,outcome}: named keys on (keys/audit.py)
+PROXY_KEY_TOKENS = "pdctl_proxy_key_tokens"             # counter {key,kind}: prompt | completion tokens by key
 
 # --- fleet: several boxes behind vllm-router (PyPI vllm-router, Rust) --------------------------------
 ROUTER_UNIT = "pd-router.service"

@@ -72,6 +72,8 @@ PROXY: dict[str, tuple[MetricName, ...]] = {
     "queue_depth": (MetricName(C.PROXY_QUEUE_DEPTH, ""),),
     "queue_wait": (MetricName(C.PROXY_QUEUE_WAIT, ""),),
     "good": (MetricName(C.PROXY_GOOD, ""),),
+    "key_requests": (MetricName(C.PROXY_KEY_REQUESTS, ""),),
+    "key_tokens": (MetricName(C.PROXY_KEY_TOKENS, ""),),
     "start_time": (MetricName("process_start_time_seconds", ""),),
 }
 

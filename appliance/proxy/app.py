@@ -177,6 +177,8 @@ class ProxyServer:
         else:
             entry.status = 200 if request.started else 499     # 499: the client left before any answer
         self.trail.emit(entry.fields())
+        self.metrics.count_key(entry.key, entry.route, "ok" if entry.status < 400 and not entry.code
+                               else entry.code or str(entry.status), entry.prompt_tokens, entry.completion_tokens)
 
     def reload(self, new_cfg: ProxyConfig) -> list:
         """Apply a re-read plan without dropping a connection (lifecycle.reload); returns what changed. New TLS

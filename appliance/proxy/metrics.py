@@ -51,6 +51,11 @@ class ProxyMetrics:
                                     "refused)", buckets=_LAT, registry=r)
         self.good = Counter(C.PROXY_GOOD, "Streamed answers within both SLOs (TTFT from arrival, the answer's own "
                             "TPOT): their rate is the goodput", registry=r)
+        self.key_requests = Counter(C.PROXY_KEY_REQUESTS, "Requests on the public port by named key (keys on): "
+                                    "route and outcome (ok, or the refusal's code)", ["key", "route", "outcome"],
+                                    registry=r)
+        self.key_tokens = Counter(C.PROXY_KEY_TOKENS, "Tokens by named key: prompt, completion", ["key", "kind"],
+                                  registry=r)
         self._req_children: dict = {}
         self.ttft_path = {p: self.ttft.labels(p) for p in ("pd", "decode_only")}
         self.e2e_path = {p: self.e2e.labels(p) for p in ("pd", "decode_only")}
@@ -61,6 +66,14 @@ class ProxyMetrics:
         if c is None:
             c = self._req_children[key] = self.requests.labels(route, outcome)
         c.inc()
+
+    def count_key(self, key: str, route: str, outcome: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """One request of a named key (the audit entry's numbers): its outcome and its tokens."""
+        self.key_requests.labels(key, route, outcome).inc()
+        if prompt_tokens:
+            self.key_tokens.labels(key, "prompt").inc(prompt_tokens)
+        if completion_tokens:
+            self.key_tokens.labels(key, "completion").inc(completion_tokens)
 
     def set_backend_states(self, backends) -> None:
         for b in backends:

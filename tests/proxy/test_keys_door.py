@@ -203,3 +203,22 @@ async def test_the_audit_has_one_entry_per_request_and_never_the_prompt_or_the_k
                for f in ok_chat)
     assert sum(len(v) for key, v in by.items() if key[0] == "app" and key[1] in ("tokenize", "models")) == 250
     assert statuses.count(200) == sum(1 for f in seen if f["PDCTL_STATUS"] == 200)
+    # the same numbers per key in /metrics (the loopback side door): requests by outcome, tokens by kind
+    from prometheus_client.parser import text_string_to_metric_families
+    from appliance import constants as C
+    async with aiohttp.ClientSession() as s:
+        async with s.get(px.internal + "/metrics") as r:
+            text = await r.text()
+    reqs, toks = {}, {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == C.PROXY_KEY_REQUESTS + "_total":
+                k3 = (smp.labels["key"], smp.labels["route"], smp.labels["outcome"])
+                reqs[k3] = reqs.get(k3, 0) + smp.value
+            elif smp.name == C.PROXY_KEY_TOKENS + "_total":
+                toks[(smp.labels["key"], smp.labels["kind"])] = smp.value
+    assert reqs[("-", "chat", "invalid_api_key")] == 125 and reqs[("gone", "chat", "revoked_api_key")] == 125
+    assert reqs[("slow", "chat", "rate_limit_rpm")] == 123 and reqs[("app", "chat", "ok")] == 250
+    assert sum(reqs.values()) == 1000, reqs
+    assert toks[("app", "prompt")] == sum(f["PDCTL_PROMPT_TOKENS"] for f in seen if f["PDCTL_KEY"] == "app")
+    assert toks[("app", "completion")] == sum(f["PDCTL_COMPLETION_TOKENS"] for f in seen if f["PDCTL_KEY"] == "app")
