@@ -71,6 +71,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         sys.stdout.write(_json.dumps(fleet.to_json(), indent=2) + "\n" if args.json else fleet_text(fleet))
         return EXIT_OK if all(b.ready == "ready" for b in fleet.boxes) else EXIT_FAIL
     plan = _plan(args.config)
+    if getattr(args, "keys", False):
+        return _keys_status(args, plan)
     slo = settings_value(args.config, "workload", "ttft_slo_s")
     tpot_ms = settings_value(args.config, "workload", "tpot_slo_ms")
     snap = collect_once(plan, settle_s=max(0.0, args.window), slo_ttft_s=slo, timeout_s=args.timeout,
@@ -80,6 +82,38 @@ def cmd_status(args: argparse.Namespace) -> int:
         from appliance.fleet.status import render_text as fleet_text
         sys.stdout.write("\nfleet:\n" + fleet_text(fleet))
     return EXIT_OK if snap.overall == "ready" else EXIT_FAIL
+
+
+def _keys_status(args: argparse.Namespace, plan) -> int:
+    """``pdctl status --keys``: the proxy's per-key counts (loopback status) beside the keys file's classes and
+    limits; exit 1 when the proxy does not answer."""
+    import json as _json
+    from appliance.views.keys_table import render, rows
+    from appliance.wire.fetch import fetch_sync
+    r = fetch_sync(f"http://{C.LOOPBACK}:{plan.proxy.internal_port}/pdctl/status", timeout_s=max(args.timeout, 2.0))
+    try:
+        live = _json.loads(r.body).get("keys", {}) if r.ok else None
+    except ValueError:
+        live = None
+    if live is None:
+        print(f"pdctl status --keys: the proxy's status did not answer ({r.error or r.status}); is pd-proxy "
+              "running? `systemctl status pd-proxy`", file=sys.stderr)
+        return EXIT_FAIL
+    table, why = None, ""
+    path = getattr(plan.proxy, "keys_file", "")
+    if path:
+        from appliance.keys.table import KeysError, load
+        try:
+            table = load(Path(path))
+        except KeysError as e:
+            why = str(e)
+    else:
+        why = "[proxy] keys_file is not set"
+    if args.json:
+        sys.stdout.write(_json.dumps({"keys": rows(live, table), "file_note": why}, indent=2) + "\n")
+    else:
+        sys.stdout.write(render(live, table, why))
+    return EXIT_OK
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -139,6 +173,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml or plan.json")
     p.add_argument("--window", type=float, default=1.0, help="seconds between the two samples rates come from")
     p.add_argument("--timeout", type=float, default=0.5, help="per-endpoint HTTP time-out (s)")
+    p.add_argument("--keys", action="store_true", help="each named key's use now (requests and tokens per minute, "
+                                                      "today, refusals) beside its class and limits")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("logs", help="journal of a role or unit: prefill-0, decode, proxy, kv, or a unit name")

@@ -245,6 +245,12 @@ def test_named_keys_with_pdctl_keys_and_systemctl_reload(installed):
         assert code == 401 and "revoked_api_key" in body, body
         listing = box.run([pdctl, "keys", "list"], check=True).stdout
         assert "revoked" in listing and app not in listing and second not in listing
+        st = box.run([pdctl, "status", "--keys"], timeout=60)       # use now, beside class and limits
+        assert st.returncode == 0, st.stdout + st.stderr
+        row = {ln.split()[0]: ln.split() for ln in st.stdout.splitlines() if ln.split()}
+        assert row["app"][2] == "revoked" and row["second"][1:3] == ["interactive", "active"], st.stdout
+        assert row["second"][4].endswith("/100"), st.stdout          # requests this minute / its rpm limit
+        assert app not in st.stdout and second not in st.stdout
         journal = box.run(["journalctl", "-u", "pd-proxy.service", "--no-pager", "-n", "200"]).stdout
         assert "API keys re-read" in journal, journal[-1500:]
         # the audit trail: one structured entry per request (the proxy, as user pdctl, writes to journald),
