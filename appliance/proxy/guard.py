@@ -12,7 +12,7 @@ streams finish. Per-key limits (appliance/keys/quota.py): generations reserve th
 from __future__ import annotations
 
 from ..keys.quota import Verdict
-from ..keys.table import KeyTable, NamedKey, digest
+from ..keys.table import CLASSES, KeyTable, NamedKey, digest
 from .errors import ProxyError
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
@@ -97,3 +97,12 @@ def error_code(body: bytes) -> str:
 
 def refusal_headers(v: Verdict) -> dict:
     return {"Retry-After": str(max(1, int(v.retry_after_s + 0.999))), **v.headers}
+
+
+def queue_priority(request, asked: int) -> int:
+    """The admission queue's class of a request (lower first): what the body asked (``priority``), but never
+    ahead of its key's class: a batch key's requests wait behind every interactive one (keys/table.CLASSES),
+    whatever they ask, so a batch flood cannot push an interactive caller past its SLO."""
+    who = getattr(request, "caller", None)
+    floor = CLASSES.index(who.klass) if who is not None and who.klass in CLASSES else 0
+    return max(asked, floor)

@@ -102,7 +102,7 @@ async def _serve(s, request, parsed, path: str, api, t0: float, crid):
         Route(AGGREGATE, R_ENGINE_STATE, None, held.backend, tokens)
     ticket = None
     if s.gate.active and held is None:
-        ask = Ask(t0, t0 + s.gate.policy.ttft_slo_s, rt.uncached, parsed.priority)
+        ask = Ask(t0, t0 + s.gate.policy.ttft_slo_s, rt.uncached, guard.queue_priority(request, parsed.priority))
         rt, ticket = await s.gate.enter(ask, rt, lambda: s.policy.route(parsed.prompt_text, tokens))
         if isinstance(rt, ProxyError):            # refused before any engine saw it: ``ticket`` is its headers
             s._count(kind, "overloaded")

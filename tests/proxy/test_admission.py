@@ -125,3 +125,34 @@ async def test_reload_switches_the_mode_and_lets_the_waiting_start(spawn, proxy_
         got = await asyncio.gather(*tasks)
     assert [g[0] for g in got] == [200] * 8        # the waiting ones started when admission went off
     assert px.server.gate.policy.mode == "off" and len(px.server.gate.queue) == 0
+
+
+async def test_a_batch_key_waits_behind_every_interactive_one(spawn, proxy_factory):
+    """Named keys on, two streams per worker at most: a batch key's flood fills the worker and the queue (asking
+    ``priority: -5`` does not lift it above its class); an interactive key's request that comes later starts
+    before every batch request still waiting (the queue orders by class, then deadline: guard.queue_priority)."""
+    from appliance.keys import table as T
+    tbl = T.KeyTable((), "keys.toml")
+    tbl, app = T.added(tbl, "app")
+    tbl, bulk = T.added(tbl, "bulk", klass="batch")
+    e = spawn()
+    e.mode("ok", token_delay_s=0.03)                # ~1 s per answer
+    cfg = make_cfg([], [e.url], policy="adaptive", keys=tbl, max_num_seqs=2, admission_prior=PRIOR,
+                   admission=replace(SLO, ttft_slo_s=30.0, tpot_slo_s=1.0))
+    px = await proxy_factory(cfg)
+
+    async def as_key(s, key, b):
+        async with s.post(px.url + "/v1/completions", json=b, headers={"Authorization": f"Bearer {key}"}) as r:
+            return r.status, await r.read()
+    async with aiohttp.ClientSession() as s:
+        flood = [asyncio.create_task(as_key(s, bulk, body(i, priority=-5))) for i in range(8)]
+        await wait_until(lambda: len(px.server.gate.queue) >= 4, timeout=20, what="batch requests waiting")
+        waiting = len(px.server.gate.queue)
+        mine = await as_key(s, app, body(100))
+        got = await asyncio.gather(*flood)
+    assert mine[0] == 200 and [g[0] for g in got] == [200] * 8, (mine[0], [g[0] for g in got])
+    order = [x["body"]["prompt"].split()[1] for x in served(e)]
+    # it starts right after the two that were streaming (one more, had one of them ended as it arrived), ahead
+    # of the 4+ batch requests that were waiting
+    assert order.index("100") <= cfg.max_num_seqs + 1, (order, waiting)
+    assert waiting >= 4 and len(order) == 9
