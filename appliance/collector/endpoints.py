@@ -22,10 +22,15 @@ class Endpoints:
     def of(cls, plan: Any) -> "Endpoints":
         px = plan.proxy
         kvu = plan.kv_server.http_url
-        proxy_url = f"http://{C.LOOPBACK}:{px.port}"
+        tls = bool(getattr(px, "tls_cert_file", ""))
+        proxy_url = f"{'https' if tls else 'http'}://{C.LOOPBACK}:{px.port}"
+        # the proxy's own numbers: from the public port as a client sees it, unless TLS or keys guard it (then
+        # from the loopback side door, which answers /metrics and /ready without a key and without TLS)
+        guarded = tls or bool(getattr(px, "keys_file", "") or getattr(px, "api_key_file", ""))
+        read = f"http://{C.LOOPBACK}:{px.internal_port}" if guarded else proxy_url
         urls: dict[str, str] = {"kv_health": kvu + "/healthcheck", "kv_status": kvu + "/status",
-                                "kv_metrics": kvu + "/metrics", "px_metrics": proxy_url + "/metrics",
-                                "px_ready": proxy_url + "/ready",
+                                "kv_metrics": kvu + "/metrics", "px_metrics": read + "/metrics",
+                                "px_ready": read + "/ready",
                                 "px_status": f"http://{C.LOOPBACK}:{px.internal_port}{PROXY_STATUS_PATH}"}
         for w in plan.workers:
             urls[f"w_health:{w.instance}"] = w.url() + "/health"

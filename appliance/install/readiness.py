@@ -36,7 +36,8 @@ def failed_for_good(st: dict, restarts0: int) -> str | None:
 def wait_ready(plan: Plan, timeout: float) -> bool:
     """Progress lines (each unit's state and STATUS=) until the proxy's /ready answers 200, a heartbeat line at
     least every HEARTBEAT_S, and an early, explained exit when a unit has failed for good."""
-    url = C.loopback_url(plan.proxy.port, "/ready")
+    # the loopback side door's /ready: the same canary verdict, readable with TLS or keys on the public port
+    url = C.loopback_url(plan.proxy.internal_port, "/ready")
     units = [C.KV_UNIT] + [w.unit for w in plan.workers] + [C.PROXY_UNIT]
     restarts0 = {u: int(unit_state(u).get("NRestarts") or 0) for u in units}
     info(f"waiting up to {timeout:.0f} s for {url} (a real request through every role)")

@@ -112,7 +112,8 @@ def write_tree(root: Path, files: dict) -> list[Path]:
 
 def proxy_reloadable(old: dict, new: dict) -> bool:
     """The proxy's changes can be applied by ``systemctl reload pd-proxy`` (plan.json only: backends, policy,
-    thresholds, limits) rather than a restart: neither its unit files nor its addresses changed."""
+    thresholds, limits, renewed TLS files) rather than a restart: neither its unit files, its addresses nor its TLS
+    mode (on/off, mutual) changed."""
     def unit(tree: dict, name: str) -> str:
         """The unit's text without its ordering lines: the worker list in Wants=/After= changes with a family
         switch, which ``daemon-reload`` applies without touching the running process."""
@@ -125,7 +126,9 @@ def proxy_reloadable(old: dict, new: dict) -> bool:
     if len(plans) != 2:
         return False
     where = ("host", "port", "internal_port")
-    return all(plans[0]["proxy"].get(k) == plans[1]["proxy"].get(k) for k in where)
+    # TLS turned on or off, or mutual TLS: the listener is made anew (a renewed certificate is a reload)
+    modes = [(bool(p["proxy"].get("tls_cert_file")), bool(p["proxy"].get("tls_client_ca_file"))) for p in plans]
+    return all(plans[0]["proxy"].get(k) == plans[1]["proxy"].get(k) for k in where) and modes[0] == modes[1]
 
 
 def affected_units(old: dict, new: dict) -> set[str]:

@@ -100,6 +100,13 @@ def reload(server, new) -> list[str]:
         raise ValueError(f"unknown proxy policy {new.policy!r}: choose one of {', '.join(POLICIES)}")
     ctx = tls_context(new)          # the files are read again (a renewed certificate); a bad one keeps the old
     changes = []
+    pub = server._servers[0] if server._servers else None
+    tls_why = pub.tls_change(ctx) if pub is not None and (ctx is not None or pub.ssl is not None) else ""
+    if tls_why:                     # TLS on/off or mutual TLS: the listener is made anew by a restart
+        changes.append(f"TLS: kept as it was ({tls_why}): `systemctl restart pd-proxy` applies it (clients wait "
+                       "in pd-proxy.socket's backlog, answers in flight finish first)")
+        new = replace(new, **{k: getattr(old, k) for k in tls.CONFIG_KEYS})
+        ctx = None
     where = ("host", "port", "internal_host", "internal_port")
     if any(getattr(new, k) != getattr(old, k) for k in where):
         changes.append("listen addresses changed (" + ", ".join(f"{k} {getattr(old, k)} -> {getattr(new, k)}"
@@ -143,12 +150,10 @@ def reload(server, new) -> list[str]:
         server._public[("GET", C.BOX_STATUS_PATH)] = server.h_public_status
     for srv, which in zip(server._servers, (PUBLIC, INTERNAL)):
         srv.set_limits(limits(new, which))
-    if server._servers and (ctx is not None or server._servers[0].ssl is not None):
-        was = "on" if server._servers[0].ssl is not None else "off"
-        changes.append(f"TLS {was} -> {'on' if ctx is not None else 'off'}"
-                       + (f" (certificate {new.tls_cert_file} read again)" if ctx is not None else "")
-                       + ": new connections from now on, open ones keep theirs")
-        server._servers[0].set_ssl(ctx)
+    if pub is not None and ctx is not None:
+        pub.set_ssl(ctx)
+        changes.append(f"TLS on -> on (certificate {new.tls_cert_file} read again): new connections from now on, "
+                       "open ones keep theirs")
     return changes
 
 

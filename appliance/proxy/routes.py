@@ -61,7 +61,8 @@ def public(s) -> dict:
 def internal(s) -> dict:
     """(method, path) -> handler(request) of the loopback-only port."""
     return {("POST", C.TELEMETRY_PATH): partial(telemetry, s), ("GET", C.BOX_STATUS_PATH): partial(status, s),
-            ("GET", "/health"): partial(health, s), ("GET", "/metrics"): partial(metrics, s)}
+            ("GET", "/health"): partial(health, s), ("GET", "/ready"): partial(ready, s),
+            ("GET", "/metrics"): partial(metrics, s)}
 
 
 async def health(s, request):

@@ -88,16 +88,15 @@ def _keys_status(args: argparse.Namespace, plan) -> int:
     """``pdctl status --keys``: the proxy's per-key counts (loopback status) beside the keys file's classes and
     limits; exit 1 when the proxy does not answer."""
     import json as _json
+    import urllib.request
     from appliance.views.keys_table import render, rows
-    from appliance.wire.fetch import fetch_sync
-    r = fetch_sync(f"http://{C.LOOPBACK}:{plan.proxy.internal_port}/pdctl/status", timeout_s=max(args.timeout, 2.0))
+    url = f"http://{C.LOOPBACK}:{plan.proxy.internal_port}{C.BOX_STATUS_PATH}"
     try:
-        live = _json.loads(r.body).get("keys", {}) if r.ok else None
-    except ValueError:
-        live = None
-    if live is None:
-        print(f"pdctl status --keys: the proxy's status did not answer ({r.error or r.status}); is pd-proxy "
-              "running? `systemctl status pd-proxy`", file=sys.stderr)
+        with urllib.request.urlopen(url, timeout=max(args.timeout, 2.0)) as r:
+            live = _json.loads(r.read()).get("keys", {})
+    except (OSError, ValueError) as e:
+        print(f"pdctl status --keys: the proxy's status ({url}) did not answer ({e}); is pd-proxy running? "
+              "`systemctl status pd-proxy`", file=sys.stderr)
         return EXIT_FAIL
     table, why = None, ""
     path = getattr(plan.proxy, "keys_file", "")

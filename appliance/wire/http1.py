@@ -112,8 +112,6 @@ class Connection(asyncio.Protocol):
         self.read_deadline: float | None = None    # loop time by which the next read step must be done
         self.addr: str | None = None     # the client's address, counted against max_connections_per_address
         self.idle_since = 0.0            # loop time it last became idle (connected, or its last answer ended)
-        self.handshake: asyncio.Task | None = None   # TLS: the handshake under way (Server.ssl at accept time)
-        self.early: list = []            # TLS: bytes decrypted before the handshake's task resumed
         self.write_deadline: float | None = None   # loop time by which a paused write must have drained
         self._reset_message()
 
@@ -148,39 +146,7 @@ class Connection(asyncio.Protocol):
             self.addr = addr
             srv.per_address[addr] += 1
         self.idle_since = srv.loop.time()
-        if srv.ssl is not None:              # TLS: counted from the TCP accept, so a handshake flood meets the caps
-            transport.pause_reading()        # the ClientHello is the TLS layer's, not the HTTP parser's
-            self.handshake = srv.loop.create_task(self._start_tls(transport, srv.ssl))
-            return
         self.read_deadline = self.idle_since + srv.limits.header_timeout_s
-
-    async def _start_tls(self, raw, ctx) -> None:
-        """TLS over the accepted connection with the context in force when it came (a reload's new certificates
-        apply to the next connections); bounded by header_timeout_s. Then the request head's deadline starts."""
-        srv = self.server
-        try:
-            tls = await srv.loop.start_tls(raw, self, ctx, server_side=True,
-                                           ssl_handshake_timeout=srv.limits.header_timeout_s)
-        except asyncio.CancelledError:
-            raw.abort()
-            self._gone()
-            raise
-        except Exception as e:  # noqa: BLE001 - any failed handshake ends this connection only
-            srv.stats["tls_handshake_failed"] += 1
-            log.debug("TLS handshake with %s failed: %s", self.addr, e)
-            raw.abort()
-            self._gone()
-            return
-        finally:
-            self.handshake = None
-        if self.closed or tls is None:
-            return
-        self.transport = tls                 # every answer goes through the TLS layer from now on
-        self.idle_since = srv.loop.time()
-        self.read_deadline = self.idle_since + srv.limits.header_timeout_s
-        early, self.early = self.early, []
-        for data in early:
-            self.data_received(data)
 
     def _gone(self) -> None:
         """Forget this connection: its slot and its address's count (once)."""
@@ -199,9 +165,6 @@ class Connection(asyncio.Protocol):
         self.dead = self.closed = True
         srv.stats[stat] += 1
         t = self.transport
-        if srv.ssl is not None:        # a TLS client cannot read a plain answer: closed before the handshake
-            t.close()
-            return
         body = srv.error_body(status, message, code)
         t.write(_head(status, {"Content-Type": "application/json", "Content-Length": len(body), "Retry-After": 1},
                       b"Connection: close\r\n") + body)
@@ -230,9 +193,6 @@ class Connection(asyncio.Protocol):
             self.drain_waiter.set_result(None)
 
     def data_received(self, data):
-        if self.handshake is not None:       # TLS: the first bytes came before start_tls handed us the transport
-            self.early.append(data)
-            return
         if self.dead:
             return
         phase0, begins0 = self.phase, self.begins

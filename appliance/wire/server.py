@@ -13,9 +13,9 @@ keep-alive connection lives ``keepalive_timeout_s``, a client that takes nothing
 nobody are closed to make room (``reclaim``: no request yet, then the longest-idle keep-alive ones); only when
 none is idle does a new connection get a 503; one client address may hold ``max_connections_per_address`` (a 429
 beyond), so one flooding address cannot take the listener. With an ``ssl.SSLContext`` the listener speaks
-HTTP/1.1 over TLS, started on each accepted connection: a connection counts against the caps from its TCP accept,
-its handshake must end within ``header_timeout_s``, and ``set_ssl`` puts a new context (rotated certificates) in
-force for the next connections without closing any. One sweep per server checks the deadlines. ``drain`` stops
+HTTP/1.1 over TLS (asyncio's TLS layer; a connection counts against the caps once its handshake, bounded by
+``header_timeout_s``, is done), and ``set_ssl`` puts renewed certificates in force for the next connections
+without closing any (the servername callback hands each new handshake the current context). One sweep per server checks the deadlines. ``drain`` stops
 accepting and lets in-flight answers finish (a graceful stop); ``start(sock=...)`` serves a socket handed over
 by systemd.
 """
@@ -74,21 +74,43 @@ class Server:
     async def start(self, host: str, port: int, sock: socket.socket | None = None,
                     ssl: _ssl.SSLContext | None = None) -> int:
         """Listen on ``host:port``, or serve ``sock`` (a listening socket handed over by systemd); over TLS with
-        ``ssl``."""
+        ``ssl`` (its certificates replaceable later: ``set_ssl``)."""
         self.loop = asyncio.get_running_loop()
-        self.ssl = ssl
+        tls = {}
+        if ssl is not None:
+            self.ssl = ssl
+            ssl.sni_callback = self._current_context
+            tls = {"ssl": ssl, "ssl_handshake_timeout": self.limits.header_timeout_s}
         if sock is not None:
-            self.server = await self.loop.create_server(lambda: Connection(self), sock=sock, backlog=2048)
+            self.server = await self.loop.create_server(lambda: Connection(self), sock=sock, backlog=2048, **tls)
         else:
             self.server = await self.loop.create_server(lambda: Connection(self), host, port, backlog=2048,
-                                                        reuse_address=True)
+                                                        reuse_address=True, **tls)
         self._sweeper = self.loop.create_task(self._sweep())
         return self.server.sockets[0].getsockname()[1]
 
-    def set_ssl(self, ssl: _ssl.SSLContext | None) -> None:
-        """New connections get ``ssl`` (None: plain HTTP) from now on; open ones, and handshakes under way, keep
-        theirs. TLS is started on each accepted connection (Connection._start_tls) with the context in force at
-        its accept, so nothing is re-bound: no client is refused or cut by a change of certificates."""
+    def _current_context(self, ssl_object, server_name, initial) -> None:
+        """OpenSSL's servername callback, called in every handshake (with or without SNI): the handshake goes on
+        with the context in force now, so renewed certificates reach the next connections, open ones keep theirs.
+        (SSL_set_SSL_CTX takes the certificate, key and CA store of the new context; the client-verify mode stays
+        the listener's first, which is why turning mutual TLS on or off needs a restart.)"""
+        if self.ssl is not None and ssl_object.context is not self.ssl:
+            ssl_object.context = self.ssl
+
+    def tls_change(self, ssl: _ssl.SSLContext | None) -> str:
+        """"" when ``ssl`` can take over on this listener without a restart, else why not."""
+        if (ssl is None) != (self.ssl is None):
+            return "turning TLS " + ("on" if ssl is not None else "off") + " needs a restart of the listener"
+        if ssl is not None and ssl.verify_mode != self.ssl.verify_mode:
+            return "turning mutual TLS " + ("on" if ssl.verify_mode == _ssl.CERT_REQUIRED else "off") + \
+                " needs a restart of the listener"
+        return ""
+
+    def set_ssl(self, ssl: _ssl.SSLContext) -> None:
+        """New connections get ``ssl``'s certificates from now on (``tls_change`` must have said yes); open
+        connections, and handshakes under way, keep theirs; nothing is re-bound."""
+        if self.tls_change(ssl):
+            raise ValueError(self.tls_change(ssl))
         self.ssl = ssl
 
     def set_limits(self, limits: Limits, max_body: int | None = None) -> None:

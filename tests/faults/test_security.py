@@ -307,7 +307,8 @@ def _server_pem(box, cafile: str) -> str:
 
 
 def test_tls_on_by_apply_then_certificates_rotated_by_reload_under_load(installed, tmp_path):
-    """``[proxy] tls_cert_file``/``tls_key_file`` + ``pdctl apply``: the public port speaks TLS (curl with the CA:
+    """``[proxy] tls_cert_file``/``tls_key_file`` + ``pdctl apply`` (a restart of the proxy: its listener is made
+    anew for TLS): the public port speaks TLS (curl with the CA:
     200; without it: refused; plain HTTP: no answer), doctor's front-door row names the certificate's end; then
     a renewed certificate put in place and ``systemctl reload pd-proxy`` while a TLS load runs: new connections get
     the new certificate, and the load sees 0 refused, 0 cut, every answer whole."""

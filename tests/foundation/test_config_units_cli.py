@@ -209,6 +209,13 @@ def test_affected_units_only_what_changed(tmp_path):
                   ov=Overrides(l1_size_gb=100, prefill=1, decode=3, proxy_port=9100))
     assert U.affected_units(same, U.render(p, "x")) == {"pd-proxy.service", "pd-proxy.socket"}
     assert not U.proxy_reloadable(same, U.render(p, "x"))      # a new port: the socket unit restarts
+    from dataclasses import replace as _r
+    tls_on = _r(a, proxy=_r(a.proxy, tls_cert_file="/etc/pdctl/tls/c.pem", tls_key_file="/etc/pdctl/tls/k.pem"))
+    renewed = _r(tls_on, proxy=_r(tls_on.proxy, tls_cert_file="/etc/pdctl/tls/c2.pem"))
+    mutual = _r(tls_on, proxy=_r(tls_on.proxy, tls_client_ca_file="/etc/pdctl/tls/ca.pem"))
+    assert not U.proxy_reloadable(same, U.render(tls_on, "x"))      # TLS on: the listener is made anew
+    assert U.proxy_reloadable(U.render(tls_on, "x"), U.render(renewed, "x"))   # other files: a reload
+    assert not U.proxy_reloadable(U.render(tls_on, "x"), U.render(mutual, "x"))
     # switching family (P/D -> hybrid): the workers whose role changed, the KV server (max workers unchanged
     # here, so not) and the proxy; the prefiller keeps running
     h = make_plan(d("fake:4xH200"), resolve("deepseek-v2-lite"), ov=Overrides(l1_size_gb=100, prefill=1, both=3))

@@ -165,3 +165,9 @@ async def test_bad_files_named_at_start_and_a_bad_reload_keeps_the_old(fresh, pr
     with pytest.raises(ValueError, match="tls_cert_file = /nonexistent.pem: no such file"):
         px.server.reload(replace(px.server.cfg, tls_cert_file="/nonexistent.pem"))
     assert (await peer(px.server.public_port, client_ctx(ca)))[1] == der0
+    # turning TLS off, or mutual TLS on, is not a reload: reported, the listener kept as it is
+    changes = px.server.reload(replace(px.server.cfg, tls_cert_file="", tls_key_file=""))
+    assert any("turning TLS off needs a restart" in c for c in changes), changes
+    changes = px.server.reload(replace(px.server.cfg, tls_client_ca_file=str(ca.pem)))
+    assert any("turning mutual TLS on needs a restart" in c for c in changes), changes
+    assert (await peer(px.server.public_port, client_ctx(ca)))[1] == der0
