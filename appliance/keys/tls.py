@@ -56,23 +56,23 @@ class TlsFiles:
         """[proxy] key -> path, for the files given."""
         return {k: v for k, v in zip(CONFIG_KEYS, (self.cert_file, self.key_file, self.client_ca_file)) if v}
 
-    def incomplete(self) -> str | None:
-        """Why these settings cannot run (a key without its certificate, ...), or None."""
+    def incomplete(self) -> tuple | None:
+        """(the [proxy] key at fault, why) when these settings cannot run (a key without its certificate, ...)."""
         if self.key_file and not self.cert_file:
-            return "tls_key_file is set without tls_cert_file: set both (or neither, for plain HTTP)"
+            return "tls_key_file", "set without tls_cert_file: set both (or neither, for plain HTTP)"
         if self.cert_file and not self.key_file:
-            return "tls_cert_file is set without tls_key_file: set both (or neither, for plain HTTP)"
+            return "tls_cert_file", "set without tls_key_file: set both (or neither, for plain HTTP)"
         if self.client_ca_file and not self.cert_file:
-            return "tls_client_ca_file (mutual TLS) needs TLS on: set tls_cert_file and tls_key_file too"
+            return "tls_client_ca_file", "mutual TLS needs TLS on: set tls_cert_file and tls_key_file too"
         return None
 
 
 def server_context(files: TlsFiles) -> ssl.SSLContext:
     """A server context from the files (read now: a rotation is a new context); TlsError naming the file."""
-    why = files.incomplete()
-    if why:
-        raise TlsError("tls_cert_file" if "tls_cert_file is set" in why else "tls_key_file", files.cert_file
-                       or files.key_file or files.client_ca_file, why, "fix [proxy] in pdctl.toml")
+    half = files.incomplete()
+    if half:
+        key, why = half
+        raise TlsError(key, getattr(files, key[len("tls_"):]), why, "fix [proxy] in pdctl.toml")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = MIN_VERSION
     ctx.set_ciphers(CIPHERS_TLS12)

@@ -64,6 +64,7 @@ class ProxyServer:
         self.canary = {"ok": False, "at": None, "last_ok": None, "error": "no canary has run yet", "ms": None}
         self._canary_long = True     # see canary_once
         self._servers: list = []     # the public listener first, then the internal one
+        self.tls_end = ""            # the TLS certificate's end, read with its context (lifecycle.tls_end)
         self._tasks: list = []
         self.sockets: dict = {}      # listening sockets handed over by systemd (lifecycle.adopt), by listener
         self.public_port = cfg.port
@@ -101,6 +102,7 @@ class ProxyServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         ctx = lifecycle.tls_context(self.cfg)      # a TlsError (named file) before anything has started
+        self.tls_end = lifecycle.tls_end(self.cfg) if ctx is not None else ""
         self.watcher.start()
         self._tasks.append(loop.create_task(canary_loop(self)))
         self._tasks.append(loop.create_task(stall_loop(self)))

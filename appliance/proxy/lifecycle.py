@@ -43,16 +43,20 @@ def tls_context(cfg):
     return tls.server_context(files) if files.on or files.incomplete() else None
 
 
+def tls_end(cfg) -> str:
+    """The certificate's end as /pdctl/status shows it, read when its context is built (start, reload)."""
+    try:
+        return tls.not_after(cfg.tls_cert_file).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OSError, ValueError) as e:
+        return f"unreadable: {e}"
+
+
 def tls_status(server) -> dict:
-    """What /pdctl/status says of TLS: on or off, mutual or not, the certificate's end (read at the last swap)."""
+    """What /pdctl/status says of TLS: on or off, mutual or not, the certificate in force and its end."""
     files = tls.TlsFiles.of(server.cfg)
     if not files.on:
         return {"on": False}
-    try:
-        end = tls.not_after(files.cert_file).strftime("%Y-%m-%dT%H:%M:%SZ")
-    except (OSError, ValueError) as e:
-        end = f"unreadable: {e}"
-    return {"on": True, "mutual": files.mutual, "cert_file": files.cert_file, "not_after": end}
+    return {"on": True, "mutual": files.mutual, "cert_file": files.cert_file, "not_after": server.tls_end}
 
 
 def adopt(fds: list, cfg) -> dict:
@@ -152,6 +156,7 @@ def reload(server, new) -> list[str]:
         srv.set_limits(limits(new, which))
     if pub is not None and ctx is not None:
         pub.set_ssl(ctx)
+        server.tls_end = tls_end(new)
         changes.append(f"TLS on -> on (certificate {new.tls_cert_file} read again): new connections from now on, "
                        "open ones keep theirs")
     return changes

@@ -148,8 +148,8 @@ class Connection(asyncio.Protocol):
         self.idle_since = srv.loop.time()
         self.read_deadline = self.idle_since + srv.limits.header_timeout_s
 
-    def _gone(self) -> None:
-        """Forget this connection: its slot and its address's count (once)."""
+    def forget(self) -> None:
+        """Forget this connection: its slot and its address's count (once; connection_lost and reclaim)."""
         self.closed = True
         srv = self.server
         if self in srv.conns:
@@ -176,7 +176,7 @@ class Connection(asyncio.Protocol):
         srv.loop.call_later(_LINGER_S, t.close)
 
     def connection_lost(self, exc):
-        self._gone()
+        self.forget()
         if self.task is not None and not self.task.done():
             self.task.cancel()
         if self.drain_waiter is not None and not self.drain_waiter.done():

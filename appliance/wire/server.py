@@ -15,9 +15,9 @@ none is idle does a new connection get a 503; one client address may hold ``max_
 beyond), so one flooding address cannot take the listener. With an ``ssl.SSLContext`` the listener speaks
 HTTP/1.1 over TLS (asyncio's TLS layer; a connection counts against the caps once its handshake, bounded by
 ``header_timeout_s``, is done), and ``set_ssl`` puts renewed certificates in force for the next connections
-without closing any (the servername callback hands each new handshake the current context). One sweep per server checks the deadlines. ``drain`` stops
-accepting and lets in-flight answers finish (a graceful stop); ``start(sock=...)`` serves a socket handed over
-by systemd.
+without closing any (the servername callback hands each new handshake the current context). One sweep per server
+checks the deadlines. ``drain`` stops accepting and lets in-flight answers finish (a graceful stop);
+``start(sock=...)`` serves a socket handed over by systemd.
 """
 from __future__ import annotations
 
@@ -139,12 +139,7 @@ class Server:
         for c in spare[:max(1, self.limits.max_connections // 16)]:
             self.stats["reclaimed_no_request" if c.fresh else "reclaimed_idle"] += 1
             c.dead = True
-            self.conns.discard(c)           # its slot is free now; connection_lost follows
-            if c.addr is not None:
-                self.per_address[c.addr] -= 1
-                if self.per_address[c.addr] <= 0:
-                    del self.per_address[c.addr]
-                c.addr = None
+            c.forget()                      # its slot is free now; connection_lost follows
             c.transport.close()
             n += 1
         if n:

@@ -351,7 +351,7 @@ def test_tls_on_by_apply_then_certificates_rotated_by_reload_under_load(installe
         time.sleep(4)
         put(second)
         box.systemctl("reload", "pd-proxy.service", check=True, timeout=60)
-        assert wait_until(lambda: _server_pem(box, cafile) == second.cert.read_text().strip(), 20), \
+        assert wait_until(lambda: _server_pem(box, cafile) == second.cert.read_text().strip(), 60), \
             "the renewed certificate is not served after the reload"
         res = load.result()
         assert "crashed" not in res, res

@@ -50,7 +50,8 @@ def test_bad_files_name_the_key_the_file_and_the_fix(ca, tmp_path):
              (files(a.cert, "relative.key"), "tls_key_file", "not an absolute path"),
              (files(a.cert, a.key, a.key), "tls_client_ca_file", "not a PEM CA certificate"),
              (T.TlsFiles(str(a.cert), ""), "tls_cert_file", "without tls_key_file"),
-             (T.TlsFiles("", "", str(ca.pem)), "tls_key_file", "needs TLS on")]
+             (T.TlsFiles("", str(a.key), ""), "tls_key_file", "without tls_cert_file"),
+             (T.TlsFiles("", "", str(ca.pem)), "tls_client_ca_file", "needs TLS on")]
     for f, key, what in cases:
         with pytest.raises(T.TlsError) as e:
             T.server_context(f)

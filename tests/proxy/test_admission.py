@@ -148,11 +148,13 @@ async def test_a_batch_key_waits_behind_every_interactive_one(spawn, proxy_facto
         flood = [asyncio.create_task(as_key(s, bulk, body(i, priority=-5))) for i in range(8)]
         await wait_until(lambda: len(px.server.gate.queue) >= 4, timeout=20, what="batch requests waiting")
         waiting = len(px.server.gate.queue)
+        # the requests started so far (the proxy runs on this loop: nothing moves until the post below yields)
+        started = sum(v for k, v in px.server.counts.items() if k.startswith("admission:admit:"))
         mine = await as_key(s, app, body(100))
         got = await asyncio.gather(*flood)
     assert mine[0] == 200 and [g[0] for g in got] == [200] * 8, (mine[0], [g[0] for g in got])
     order = [x["body"]["prompt"].split()[1] for x in served(e)]
-    # it starts right after the two that were streaming (one more, had one of them ended as it arrived), ahead
-    # of the 4+ batch requests that were waiting
-    assert order.index("100") <= cfg.max_num_seqs + 1, (order, waiting)
+    # it starts right after those started before it came (one more, had a stream ended while its request was on
+    # its way in), ahead of the 4+ batch requests that were waiting: however slow the machine
+    assert order.index("100") <= started + 1, (order, started, waiting)
     assert waiting >= 4 and len(order) == 9

@@ -33,3 +33,19 @@ def test_without_the_file_the_counts_still_show_and_say_why():
                            "admitted": 5, "refused": {}}}, None, "keys.toml: permission denied")
     assert "app" in text and "classes and limits unknown: keys.toml: permission denied" in text
     assert render({}, None).startswith("no named keys")
+
+
+def test_status_keys_with_no_proxy_says_so_and_exits_1(tmp_path, capsys):
+    """``pdctl status --keys`` when the proxy does not answer: one clear line naming the URL, exit 1."""
+    import argparse
+    import json
+
+    from appliance.errors import EXIT_FAIL
+    from appliance.stack.twin_stack import twin_plan
+    from appliance.views.cli import cmd_status
+    plan = twin_plan("fake:2xH200", "deepseek-v2-lite", tmp_path)        # free ports: nothing listens there
+    (tmp_path / "plan.json").write_text(json.dumps(plan.to_json()))
+    args = argparse.Namespace(config=tmp_path / "plan.json", keys=True, json=False, window=0.0, timeout=0.5)
+    assert cmd_status(args) == EXIT_FAIL
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{plan.proxy.internal_port}/pdctl/status" in err and "systemctl status pd-proxy" in err, err
