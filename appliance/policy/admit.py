@@ -13,8 +13,9 @@ The rule, in plain words (defaults derived on the twin by ``benchmarks/overload.
 3. One more stream on the decoding worker would give every stream there a TPOT of ``b + k * (streams + 1)``,
    learnt the same way from each finished stream's TPOT against the streams that ran beside it.
 4. **Start now** when the TTFT, counting what it already waited, stays within the target, one more stream
-   keeps the TPOT within ``target`` of its SLO, and nobody with an earlier claim is waiting (priority class,
-   then deadline). An idle worker always takes the head of the queue (a wrong model never starves a box).
+   keeps the TPOT within ``target`` of its SLO, and nobody with an earlier claim is waiting (the fairer share,
+   then priority class, then deadline: ``WaitQueue``). An idle worker always takes the head of the queue (a
+   wrong model never starves a box).
 5. Otherwise **wait** in the proxy's queue (it can still go to whichever worker frees first) while its
    predicted wait (the requests ahead of it over the rate the queue drained at lately) still leaves time
    for its own TTFT before the deadline; else **refuse now** (503 and ``Retry-After``: the time the queue
@@ -31,9 +32,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from ..settings.schema import default as _d
 
@@ -110,6 +111,8 @@ class Ask:
     deadline: float       # arrival + TTFT budget (the SLO, or the request's own shorter budget)
     uncached: int         # prompt tokens the KV cache does not hold (decide's estimate)
     priority: int = 0     # lower first (vLLM's ``priority``)
+    tenant: str = ""      # who asks (a named key): the box's capacity is shared between the tenants asking
+    weight: float = 1.0   # the tenant's weight in that share (its key's class: keys/table.CLASS_WEIGHTS)
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,7 @@ def judge(now: float, ask: Ask, prefill: Optional[Worker], decode: Worker, q: Qu
             return Verdict(ADMIT, R_ROOM)
         if now >= bound:
             return Verdict(REFUSE, R_EXPIRED, 0.0, retry_after(q, 0.0, p))
-        if q.arriving and q.length >= p.max_queue:
+        if q.arriving and q.length >= p.max_queue and q.ahead >= q.length:
             return Verdict(REFUSE, R_QUEUE_FULL, 0.0, retry_after(q, bound - now, p))
         return Verdict(QUEUE, R_STREAMS if q.ahead == 0 else R_BEHIND)
     goal = ask.arrival + p.target * (ask.deadline - ask.arrival)    # start by then, as TTFT counts from arrival
@@ -181,7 +184,8 @@ def judge(now: float, ask: Ask, prefill: Optional[Worker], decode: Worker, q: Qu
     else:
         reason = R_BEHIND
     room = goal - now - own                                          # how long it may still wait
-    if q.length >= p.max_queue and q.arriving:
+    if q.length >= p.max_queue and q.arriving and q.ahead >= q.length:
+        # full of requests that all go before it (a better one takes the last one's place: the caller's queue)
         return Verdict(REFUSE, R_QUEUE_FULL, ttft, retry_after(q, room, p))
     if q.arriving and q.drain_per_s > 0 and (q.ahead + 1) / q.drain_per_s > room:
         return Verdict(REFUSE, R_DEADLINE, ttft, retry_after(q, room, p))
@@ -315,49 +319,99 @@ class WorkerRates:
         return self._rates
 
 
+Standing = Callable[[str], float]      # tenant -> (streams it runs + 1) / its weight (lower: served first)
+
+
 class WaitQueue:
-    """The proxy's queue: waiting requests ordered by priority class, then deadline, then arrival order.
+    """The proxy's queue: waiting requests ordered by the fairer share, then priority class, then deadline, then
+    arrival order.
+
+    Fair shares (named keys): when requests of more than one tenant wait, the next to go is one of the tenant that
+    would run the fewest streams for its weight with it (``standing``: (streams running + 1) / weight); on a tie,
+    and within a tenant, priority then deadline. So under overload each tenant asking gets the box's streams in proportion to its weight, a
+    tenant at 5x its share only competes with itself, and a tenant within its share goes ahead of one beyond it
+    whatever came first. With one tenant (no keys: every request is tenant "") this is the plain order.
 
     Holds the caller's payloads (the proxy's futures, the simulator's requests); bounded by the caller through
     ``judge`` (``max_queue``). ``rank`` is what ``judge`` needs as ``ahead`` for an arrival."""
 
     def __init__(self) -> None:
-        self._items: list = []       # sorted [(priority, deadline, seq), payload]
+        self._items: list = []       # sorted [((priority, deadline, seq, tenant), payload)]
         self._seq = 0
+        self._tenants: Counter = Counter()     # tenant -> requests waiting
 
     def __len__(self) -> int:
         return len(self._items)
 
     @staticmethod
     def key(ask: Ask, seq: int) -> tuple:
-        return (ask.priority, ask.deadline, seq)
+        return (ask.priority, ask.deadline, seq, ask.tenant)
 
-    def rank(self, ask: Ask) -> int:
-        """Waiting requests that go before ``ask`` (same class and deadline: those that came first)."""
-        return bisect.bisect_right(self._items, (ask.priority, ask.deadline, math.inf), key=lambda kp: kp[0])
+    def _fair(self, standing: Optional[Standing], tenant: Optional[str] = None) -> bool:
+        """Whether shares decide anything: more than one tenant among those waiting (and ``tenant``)."""
+        if standing is None or not self._tenants:
+            return False
+        return len(self._tenants) > 1 or (tenant is not None and tenant not in self._tenants)
+
+    def rank(self, ask: Ask, standing: Optional[Standing] = None) -> int:
+        """Waiting requests that go before ``ask`` (same standing, class and deadline: those that came first)."""
+        probe = (ask.priority, ask.deadline, math.inf)
+        if not self._fair(standing, ask.tenant):
+            return bisect.bisect_right(self._items, probe, key=lambda kp: kp[0])
+        mine = (standing(ask.tenant), probe)
+        at = {t: standing(t) for t in self._tenants}
+        return sum(1 for k, _ in self._items if (at[k[3]], k[:3]) < mine)
 
     def push(self, ask: Ask, payload) -> tuple:
         self._seq += 1
         k = self.key(ask, self._seq)
-        bisect.insort(self._items, (k, payload), key=lambda kp: kp[0])
+        bisect.insort(self._items, (k, payload), key=lambda kp: kp[0][:3])
+        self._tenants[ask.tenant] += 1
         return k
 
-    def head(self):
-        """(key, payload) of the first waiting request, or None."""
-        return self._items[0] if self._items else None
+    def _pick(self, standing: Optional[Standing], worst: bool):
+        if not self._items:
+            return None
+        if not self._fair(standing):
+            return self._items[-1 if worst else 0]
+        at = {t: standing(t) for t in self._tenants}
+        order = (lambda kp: (at[kp[0][3]], kp[0][:3]))
+        return max(self._items, key=order) if worst else min(self._items, key=order)
 
-    def pop(self):
-        return self._items.pop(0)
+    def head(self, standing: Optional[Standing] = None):
+        """(key, payload) of the waiting request that goes first, or None."""
+        return self._pick(standing, worst=False)
 
-    def last(self):
+    def pop(self, key: Optional[tuple] = None):
+        """Take out the request of ``key`` (default: the first in the plain order) and return (key, payload)."""
+        i = 0 if key is None else next(j for j, (k, _) in enumerate(self._items) if k == key)
+        got = self._items.pop(i)
+        self._gone(got[0])
+        return got
+
+    def _gone(self, k: tuple) -> None:
+        self._tenants[k[3]] -= 1
+        if self._tenants[k[3]] <= 0:
+            del self._tenants[k[3]]
+
+    def last(self, standing: Optional[Standing] = None):
         """(key, payload) of the waiting request refused first when a better one needs its place."""
-        return self._items[-1] if self._items else None
+        return self._pick(standing, worst=True)
+
+    def goes_before(self, key: tuple, ask: Ask, standing: Optional[Standing] = None) -> bool:
+        """Whether the waiting request of ``key`` keeps its place ahead of ``ask`` (a full queue's last one
+        against a newcomer)."""
+        mine, theirs = (ask.priority, ask.deadline), key[:2]
+        if standing is None or key[3] == ask.tenant:
+            return theirs <= mine
+        return (standing(key[3]), theirs) <= (standing(ask.tenant), mine)
 
     def remove(self, key: tuple) -> bool:
         """Take a request out (its client left, or its place went to a better one); False when not there."""
         for i, (k, _) in enumerate(self._items):
             if k == key:
                 del self._items[i]
+                self._gone(k)
                 return True
         return False
 

@@ -8,11 +8,16 @@ or a first byte comes back) re-decides the head on the state of that moment and 
 started request holds a reservation on its workers until its legs count themselves there, so one poke never
 starts more than the workers can take. A client that leaves while waiting leaves the queue at once
 (``CancelledError``) and reaches no engine.
+
+Fair shares: every started request counts as one stream of its tenant (its named key) until it ends
+(``Ticket.close``); the queue lets the tenant with the fewest streams for its weight go first
+(``admit.WaitQueue``), so a batch key at 5x its share waits behind an interactive key within its share.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from ..policy import admit as A
@@ -26,6 +31,7 @@ class Ticket:
     start: float
     ahead: float = 0.0                 # backlog met + its own uncached tokens (the TTFT observation's x)
     held: dict = field(default_factory=dict)    # backend -> (streams, tokens) reserved
+    tenant: str | None = None          # counted in the gate's ``running`` until ``close``
 
     def release(self, backend) -> None:
         got = self.held.pop(backend, None)
@@ -36,6 +42,13 @@ class Ticket:
     def release_all(self) -> None:
         for b in list(self.held):
             self.release(b)
+
+    def close(self) -> None:
+        """The request ended (answered, failed or left): its reservations go, its tenant runs one stream less."""
+        self.release_all()
+        if self.tenant is not None:
+            self.gate.ended(self.tenant)
+            self.tenant = None
 
 
 @dataclass
@@ -66,6 +79,8 @@ class Gate:
         self.rates: dict = {}          # backend label -> WorkerRates
         self._counters: dict = {}      # (outcome, reason, priority) -> its labelled counter
         self._poke_pending = False
+        self.running: Counter = Counter()     # tenant -> requests started and not ended
+        self.weights: dict = {}               # tenant -> its weight in the share (the last request's)
 
     # ----- configuration --------------------------------------------------------------------------
     @property
@@ -100,8 +115,21 @@ class Gate:
             ask = replace(ask, uncached=rt.uncached)
         return A.judge(now, ask, pre, dec, q, self.policy)
 
-    def _ticket(self, now: float, rt) -> Ticket:
-        t = Ticket(self, now)
+    def standing(self, tenant: str) -> float:
+        """Streams ``tenant`` would run for its weight with one more started: who goes first when several tenants
+        wait (lower first). Counting the one more makes the shares come out in the weights' proportion (4 to 1:
+        an interactive key takes four streams for every one of a batch key) rather than alternating."""
+        return (self.running.get(tenant, 0) + 1) / max(self.weights.get(tenant, 1.0), 1e-9)
+
+    def ended(self, tenant: str) -> None:
+        self.running[tenant] -= 1
+        if self.running[tenant] <= 0:
+            del self.running[tenant]
+        self.poke()
+
+    def _ticket(self, now: float, rt, tenant: str = "") -> Ticket:
+        t = Ticket(self, now, tenant=tenant)
+        self.running[tenant] += 1
         first = rt.prefill if rt.prefill is not None else rt.decode
         t.ahead = first.prefill_backlog + first.reserved_tokens + rt.uncached
         parts = {first: (0, rt.uncached)}
@@ -127,15 +155,16 @@ class Gate:
         now = time.monotonic()
         if not self.active or rt.decode is None:
             return rt, None
-        v = self._judge(now, ask, rt, self.queue.rank(ask))
+        self.weights[ask.tenant] = ask.weight
+        v = self._judge(now, ask, rt, self.queue.rank(ask, self.standing))
         self._count(v, ask.priority)
         if v.action == A.ADMIT:
-            return rt, self._ticket(now, rt)
+            return rt, self._ticket(now, rt, ask.tenant)
         if v.action == A.REFUSE:
             return refusal(v, self.policy.status, len(self.queue))
-        if len(self.queue) >= self.policy.max_queue:      # full: a better class takes the worst one's place
-            last = self.queue.last()
-            if last is None or last[0][:2] <= (ask.priority, ask.deadline):
+        if len(self.queue) >= self.policy.max_queue:      # full: a better claim takes the worst one's place
+            last = self.queue.last(self.standing)
+            if last is None or self.queue.goes_before(last[0], ask, self.standing):
                 v = A.Verdict(A.REFUSE, A.R_QUEUE_FULL, v.ttft_s, A.retry_after(
                     A.QueueView(len(self.queue), len(self.queue), self.drain.rate(now)), 0.0, self.policy))
                 self._count(v, ask.priority)
@@ -156,7 +185,7 @@ class Gate:
             elif fut.done() and not fut.cancelled():
                 got = fut.result()
                 if isinstance(got[1], Ticket):
-                    got[1].release_all()
+                    got[1].close()
             raise
         finally:
             self.s.metrics.queue_wait.observe(time.monotonic() - now)
@@ -164,6 +193,8 @@ class Gate:
     def _finish(self, w: _Waiter, v: A.Verdict, rt=None, ticket=None) -> None:
         self._count(v, w.ask.priority)
         if w.fut.done():
+            if ticket is not None:
+                ticket.close()
             return
         if v.action == A.ADMIT:
             w.fut.set_result((rt, ticket))
@@ -191,28 +222,28 @@ class Gate:
     def pump(self) -> None:
         """Start or refuse waiting requests from the head while the head's workers have room."""
         while self.queue:
-            key, w = self.queue.head()
+            key, w = self.queue.head(self.standing)
             if w.fut.done():
-                self.queue.pop()
+                self.queue.pop(key)
                 continue
             now = time.monotonic()
             if not self.active:
                 rt = w.reroute()
-                self.queue.pop()
+                self.queue.pop(key)
                 self._finish(w, A.Verdict(A.ADMIT, A.R_OFF), rt, None)
                 continue
             rt = w.reroute()
             if rt.decode is None:                       # no worker at all: let the legs answer (503, no worker)
-                self.queue.pop()
+                self.queue.pop(key)
                 self._finish(w, A.Verdict(A.ADMIT, A.R_IDLE), rt, None)
                 continue
             v = self._judge(now, w.ask, rt, 0, arriving=False)
             if v.action == A.QUEUE:
                 break
-            self.queue.pop()
+            self.queue.pop(key)
             if v.action == A.ADMIT:
                 self.drain.started(now)
-                self._finish(w, v, rt, self._ticket(now, rt))
+                self._finish(w, v, rt, self._ticket(now, rt, w.ask.tenant))
             else:
                 self._finish(w, v)
         self.s.metrics.queue_depth.set(len(self.queue))
@@ -234,6 +265,8 @@ class Gate:
                    {"inactive": f"policy {self.s.cfg.policy}: admission judges the workers the adaptive policy "
                                 "chose; set [proxy] policy = \"adaptive\""}),
                 "queue": len(self.queue), "drain_per_s": round(self.drain.rate(now), 3),
+                "tenants": {t: {"running": self.running.get(t, 0), "weight": self.weights.get(t, 1.0)}
+                            for t in sorted(set(self.running) | {t for t in self.weights if t})},
                 "ttft_slo_s": self.policy.ttft_slo_s, "tpot_slo_ms": round(self.policy.tpot_slo_s * 1000, 3),
                 "workers": {k: {"ttft_base_s": round(r.rates().ttft_a, 4),
                                 "prefill_tps": round(1.0 / r.rates().ttft_s, 1) if r.rates().ttft_s else None,

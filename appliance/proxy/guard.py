@@ -12,7 +12,7 @@ streams finish. Per-key limits (appliance/keys/quota.py): generations reserve th
 from __future__ import annotations
 
 from ..keys.quota import Verdict
-from ..keys.table import CLASSES, KeyTable, NamedKey, digest
+from ..keys.table import CLASS_WEIGHTS, CLASSES, KeyTable, NamedKey, digest
 from .errors import ProxyError
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
@@ -101,8 +101,17 @@ def refusal_headers(v: Verdict) -> dict:
 
 def queue_priority(request, asked: int) -> int:
     """The admission queue's class of a request (lower first): what the body asked (``priority``), but never
-    ahead of its key's class: a batch key's requests wait behind every interactive one (keys/table.CLASSES),
-    whatever they ask, so a batch flood cannot push an interactive caller past its SLO."""
+    ahead of its key's class (keys/table.CLASSES): between tenants of the same standing a batch key's requests
+    wait behind every interactive one, whatever they ask; the share itself is ``tenant``'s weight."""
     who = getattr(request, "caller", None)
     floor = CLASSES.index(who.klass) if who is not None and who.klass in CLASSES else 0
     return max(asked, floor)
+
+
+def tenant(request) -> tuple[str, float]:
+    """Who shares the box's capacity under overload, and with what weight (admit.WaitQueue): the request's key
+    and its class's weight; every request without a key is one tenant ("")."""
+    who = getattr(request, "caller", None)
+    if who is None:
+        return "", 1.0
+    return who.name, CLASS_WEIGHTS.get(who.klass, 1.0)

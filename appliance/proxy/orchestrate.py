@@ -80,7 +80,9 @@ async def generate(s, request: Request, path: str, kind: str):
         s.metrics.inflight.dec()
         s.counts["inflight"] -= 1
         if who is not None:
-            s.quota.finish(who, reserve, prompt + request.completion_tokens)
+            # a request the box refused (admission's 503) reached no engine: its prompt costs the key nothing
+            used = 0 if request.box_refused else prompt + request.completion_tokens
+            s.quota.finish(who, reserve, used)
 
 def completion_tokens(body: bytes) -> int:
     """``usage.completion_tokens`` of a whole answer (0 when it has none): what a key's quota counts."""
@@ -102,10 +104,12 @@ async def _serve(s, request, parsed, path: str, api, t0: float, crid):
         Route(AGGREGATE, R_ENGINE_STATE, None, held.backend, tokens)
     ticket = None
     if s.gate.active and held is None:
-        ask = Ask(t0, t0 + s.gate.policy.ttft_slo_s, rt.uncached, guard.queue_priority(request, parsed.priority))
+        ask = Ask(t0, t0 + s.gate.policy.ttft_slo_s, rt.uncached, guard.queue_priority(request, parsed.priority),
+                  *guard.tenant(request))
         rt, ticket = await s.gate.enter(ask, rt, lambda: s.policy.route(parsed.prompt_text, tokens))
         if isinstance(rt, ProxyError):            # refused before any engine saw it: ``ticket`` is its headers
             s._count(kind, "overloaded")
+            request.box_refused = True
             return Response(rt.body(), rt.status, {"X-Request-Id": echo, **ticket})
     if "priority" in parsed.body:     # the proxy's queue class; engines without priority scheduling refuse it
         parsed.body = {k: v for k, v in parsed.body.items() if k != "priority"}
@@ -114,7 +118,7 @@ async def _serve(s, request, parsed, path: str, api, t0: float, crid):
         return await _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, ticket)
     finally:
         if ticket is not None:
-            ticket.release_all()
+            ticket.close()
 
 
 async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, ticket):

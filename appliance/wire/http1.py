@@ -46,7 +46,7 @@ class Response:
 
 class Request:
     __slots__ = ("method", "path", "query", "headers", "body", "conn", "keep_alive", "_head_pending", "started",
-                 "chunked", "head_only", "caller", "completion_tokens", "trail")
+                 "chunked", "head_only", "caller", "completion_tokens", "trail", "box_refused")
 
     def __init__(self, conn, method: str, url: bytes, headers: dict, body: bytes, keep_alive: bool,
                  http10: bool = False):
@@ -63,6 +63,7 @@ class Request:
         self.caller = None        # who sent it, set by the application's door (the proxy: a named key)
         self.completion_tokens = 0   # what the answer used, set by the application (the proxy's per-key quota)
         self.trail = None         # the application's record of this request (the proxy's audit entry)
+        self.box_refused = False  # the application refused it for its own state (overload): no work was done
 
     # --- streamed answers ---------------------------------------------------------------------
     def stream(self, status: int, headers: dict) -> None:

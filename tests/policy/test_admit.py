@@ -154,3 +154,30 @@ def test_wait_queue_orders_by_priority_then_deadline():
     assert q.last()[1] == "b"
     assert q.remove(k1) and not q.remove(k1)
     assert q.pop()[1] == "urgent" and len(q) == 1
+
+
+def test_wait_queue_shares_by_weight_between_tenants():
+    """Several tenants waiting: the one running the fewest streams for its weight goes first, whatever came
+    first; within a tenant, priority then deadline; one tenant alone keeps the plain order."""
+    running = {"app": 0, "bulk": 6}
+    weight = {"app": 4.0, "bulk": 1.0}
+    standing = lambda t: (running.get(t, 0) + 1) / weight.get(t, 1.0)    # noqa: E731
+    q = A.WaitQueue()
+    for i in range(3):
+        q.push(A.Ask(i * 0.1, 2.0 + i * 0.1, 0, 1, "bulk", 1.0), f"bulk{i}")
+    assert q.head(standing)[1] == "bulk0"                    # one tenant: plain order
+    late = A.Ask(1.0, 3.0, 0, 0, "app", 4.0)
+    assert q.rank(late, standing) == 0                       # app runs nothing: it goes before every bulk request
+    assert q.rank(late) == 0 and q.rank(A.Ask(1.0, 3.0, 0, 1, "app", 4.0)) == 3   # plain order: by class, deadline
+    ka = q.push(late, "app0")
+    q.push(A.Ask(1.1, 3.1, 0, 0, "app", 4.0), "app1")
+    assert q.head(standing)[1] == "app0"
+    assert q.last(standing)[1] == "bulk2"
+    running.update(app=28)                                   # 29 / 4 > 7 / 1: app is past its share now
+    assert q.head(standing)[1] == "bulk0" and q.last(standing)[1] == "app1"
+    assert q.rank(A.Ask(1.2, 3.2, 0, 0, "app", 4.0), standing) == 5
+    assert q.goes_before(q.head(standing)[0], A.Ask(1.2, 3.2, 0, 0, "app", 4.0), standing)
+    running.update(app=20)                                   # 21 / 4 < 7: back within it
+    assert not q.goes_before(q.last(standing)[0], A.Ask(1.2, 3.2, 0, 0, "app", 4.0), standing)
+    assert q.pop(ka)[1] == "app0" and q.head(standing)[1] == "app1"
+    assert q.remove(q.head(standing)[0]) and q.head(standing)[1] == "bulk0" and len(q) == 3

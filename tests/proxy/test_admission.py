@@ -158,3 +158,58 @@ async def test_a_batch_key_waits_behind_every_interactive_one(spawn, proxy_facto
     # its way in), ahead of the 4+ batch requests that were waiting: however slow the machine
     assert order.index("100") <= started + 1, (order, started, waiting)
     assert waiting >= 4 and len(order) == 9
+
+
+async def test_keys_share_the_streams_by_class_weight_and_a_refusal_costs_no_quota(spawn, proxy_factory):
+    """Five streams, a batch key flooding, then an interactive key asking for many at once: while both wait, each
+    start goes to the key that would run the fewest streams for its weight (interactive 4, batch 1), so the
+    interactive key rises to 4 of the 5 and the batch key keeps 1, never more (appliance/policy/admit.WaitQueue).
+    The batch key's requests the box refused (queue full) cost its token quota nothing."""
+    from appliance.keys import table as T
+    tbl = T.KeyTable((), "keys.toml")
+    tbl, app = T.added(tbl, "app")
+    tbl, bulk = T.added(tbl, "bulk", klass="batch", limits=T.Limits(tpm=10_000_000))
+    e = spawn()
+    e.mode("ok", token_delay_s=0.03)                # ~1 s per answer
+    cfg = make_cfg([], [e.url], policy="adaptive", keys=tbl, max_num_seqs=5, admission_prior=PRIOR,
+                   admission=replace(SLO, ttft_slo_s=60.0, tpot_slo_s=1.0, max_queue=24))
+    px = await proxy_factory(cfg)
+    gate = px.server.gate
+    starts = []                                      # (tenant, running before, waiting tenants) per start
+    ticket = gate._ticket
+
+    def logged(now, rt, tenant=""):
+        waiting = {k[3] for k, _ in gate.queue._items}
+        starts.append((tenant, dict(gate.running), waiting))
+        return ticket(now, rt, tenant)
+    gate._ticket = logged
+
+    async def as_key(s, key, b):
+        async with s.post(px.url + "/v1/completions", json=b, headers={"Authorization": f"Bearer {key}"}) as r:
+            return r.status, await r.read()
+    async with aiohttp.ClientSession() as s:
+        flood = [asyncio.create_task(as_key(s, bulk, body(i))) for i in range(30)]
+        await wait_until(lambda: len(gate.queue) >= 20, timeout=20, what="batch requests waiting")
+        mine = await asyncio.gather(*(as_key(s, app, body(100 + i)) for i in range(12)))
+        got = await asyncio.gather(*flood)
+    assert [m[0] for m in mine] == [200] * 12, [m[0] for m in mine]
+    codes = sorted(g[0] for g in got)
+    assert set(codes) <= {200, 503} and 503 in codes, codes      # the queue was full: some refused at once
+    both = [(t, r) for t, r, w in starts if {app_name for app_name in w} >= {"app", "bulk"}]
+    assert both, starts
+    # while both waited, a start went to the key that would run the fewest streams for its weight
+    for t, r in both:
+        mine_next = (r.get(t, 0) + 1) / T.CLASS_WEIGHTS["interactive" if t == "app" else "batch"]
+        other = "bulk" if t == "app" else "app"
+        theirs = (r.get(other, 0) + 1) / T.CLASS_WEIGHTS["interactive" if other == "app" else "batch"]
+        assert mine_next <= theirs, (t, r, starts)
+    peak = max(r.get("app", 0) + (t == "app") for t, r in both)
+    assert peak == 4, starts                          # the interactive key's share: 4 of the 5 streams
+    assert all(r.get("bulk", 0) + (t == "bulk") >= 1 for t, r in both if t == "bulk")
+    ok = sum(1 for c in codes if c == 200)
+    used = px.server.quota.snapshot()["bulk"]["tokens"]
+    per = [x for x in served(e) if x["body"]["prompt"].startswith("request ") and int(
+        x["body"]["prompt"].split()[1]) < 100]
+    assert len(per) == ok
+    # what the served ones used (prompt + 30 tokens each), not a token more for the refused ones
+    assert used <= ok * (px.server.chars_per_token.estimate(len(body(0)["prompt"])) + 30) + ok, (used, ok)
