@@ -73,12 +73,16 @@ def sweep_rates(args: argparse.Namespace) -> tuple[list[float], list, dict]:
                                                "rate_multiples": xs}
 
 
-async def _models(url: str, timeout_s: float = 5.0) -> tuple[str, str]:
+async def _models(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> tuple[str, str]:
     """(served model id, model root) from ``/v1/models``; BenchError when the target cannot be reached."""
-    r = await fetch(url.rstrip("/") + "/v1/models", timeout_s=timeout_s)
+    from .loadgen import auth_headers
+    r = await fetch(url.rstrip("/") + "/v1/models", headers=auth_headers(api_key), timeout_s=timeout_s)
     if r.error:
         raise BenchError(f"cannot reach {url} ({r.error}); start the stack (systemctl start pd.target) or pass "
                          "--url", code=1)
+    if r.status == 401:
+        raise BenchError(f"{url}/v1/models answered HTTP 401: the box has API keys on; pass --api-key-file FILE "
+                         "(a file holding one key: `pdctl keys add bench`) or set OPENAI_API_KEY", code=1)
     if r.status != 200:
         raise BenchError(f"{url}/v1/models answered HTTP {r.status}; is the stack ready? (pdctl status), or pass "
                          "--model", code=1)
@@ -118,11 +122,13 @@ async def _sweep(args: argparse.Namespace, prof, rates: list[float], multiples: 
     from .stats import summarize
     from .workload import PromptFactory, calibrated, calibration_texts, find_tokenizer
 
-    served, root = await _models(args.url) if not args.model else (args.model, "")
+    key = args.api_key
+    served, root = await _models(args.url, api_key=key) if not args.model else (args.model, "")
     model = args.model or served
     tok = find_tokenizer(args.tokenizer or (model if Path(model).is_dir() else root or None))
     if not tok.exact and not args.no_calibrate:
-        counts = await prompt_token_counts(args.url, model, calibration_texts(args.seed), args.request_timeout)
+        counts = await prompt_token_counts(args.url, model, calibration_texts(args.seed), args.request_timeout,
+                                           api_key=key)
         tok = calibrated(counts)
         if None in counts and not args.quiet:
             print("pdctl bench: note: the server reported no usage.prompt_tokens for the calibration probes; "
@@ -144,7 +150,7 @@ async def _sweep(args: argparse.Namespace, prof, rates: list[float], multiples: 
     if args.warmup > 0:
         prog = Progress(f"warm-up {args.warmup_rate:g} req/s", args.warmup, enabled=not quiet)
         await run_rate(args.url, model, factory.prompts("warmup", args.warmup), args.warmup_rate, prof.output_len,
-                       seed=args.seed, request_timeout_s=args.request_timeout, progress=prog)
+                       seed=args.seed, request_timeout_s=args.request_timeout, progress=prog, api_key=key)
         if args.warmup_pause > 0:
             await asyncio.sleep(args.warmup_pause)
     summaries = []
@@ -156,7 +162,7 @@ async def _sweep(args: argparse.Namespace, prof, rates: list[float], multiples: 
         await probe.start()
         run = await run_rate(args.url, model, prompts, rate, prof.output_len, seed=args.seed + i,
                              request_timeout_s=args.request_timeout, deadline_s=args.max_duration,
-                             progress=prog)
+                             progress=prog, api_key=key)
         kv = await probe.stop()
         s = summarize(run, model=model, tokenizer_id=tok.name, num_prompts=args.num_prompts,
                       profile=profile_meta, kv=kv, slo_ttft_s=args.slo_ttft_s, slo_tpot_ms=args.slo_tpot_ms)
@@ -186,6 +192,23 @@ def cmd_what_if(args: argparse.Namespace) -> int:
         return getattr(exc, "code", 2)
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key to send: ``--api-key-file`` (its first line), else ``OPENAI_API_KEY`` (the openai client's own
+    variable), else none. Never taken on the command line, where ``ps`` shows it."""
+    import os
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            key = Path(path).read_text().strip().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BenchError(f"--api-key-file {path}: cannot read it ({exc.__class__.__name__}: {exc}); give a "
+                             "file holding one key") from None
+        if not key or not key[0].strip():
+            raise BenchError(f"--api-key-file {path}: the file is empty; put one key on its first line")
+        return key[0].strip()
+    return os.environ.get("OPENAI_API_KEY", "").strip() or None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .report import table, write_results
     from .stats import brief
@@ -213,6 +236,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             v = getattr(args, name)
             if not (v > 0 and math.isfinite(v)):
                 raise BenchError(f"--{name.replace('_', '-')} must be > 0 {unit}, got {v:g}")
+        args.api_key = api_key(args)
         rates, multiples, pred = sweep_rates(args)
         prof = load_profile(args.profile, args.input_len, args.prefix_len, args.output_len)
         summaries, meta = asyncio.run(_sweep(args, prof, rates, multiples, pred))
@@ -290,6 +314,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-ttft-p95", dest="slo_ttft_p95", type=float, default=3.5, help="plot line, seconds")
     p.add_argument("--json", action="store_true", help="print the summaries as JSON instead of the table")
     p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
+    p.add_argument("--api-key-file", dest="api_key_file", metavar="FILE",
+                   help="a file holding the API key to send (a box with [proxy] keys_file or api_key_file); "
+                        "default: $OPENAI_API_KEY, else none")
     p.add_argument("--tokenizer", help="model directory with tokenizer.json (default: the model's root, "
                                        "when local)")
     p.add_argument("--no-calibrate", dest="no_calibrate", action="store_true",

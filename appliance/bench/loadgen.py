@@ -55,13 +55,29 @@ def retry_after_valid(value: Optional[str]) -> bool:
         return False
 
 
-def _overloaded(raw: bytes) -> bool:
-    """The body is OpenAI's error shape with the code ``server_overloaded``."""
+def _error_code(raw: bytes) -> str:
+    """``error.code`` of a body in OpenAI's error shape ("" when it is not one)."""
     try:
         err = json.loads(raw).get("error")
     except (ValueError, AttributeError):
-        return False
-    return isinstance(err, dict) and err.get("code") == OVERLOADED_CODE
+        return ""
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, str) else ""
+
+
+def _overloaded(raw: bytes) -> bool:
+    """The body is OpenAI's error shape with the code ``server_overloaded``."""
+    return _error_code(raw) == OVERLOADED_CODE
+
+
+def auth_headers(api_key: Optional[str]) -> dict:
+    """The request headers: JSON, and the API key as a bearer token when the box has keys on."""
+    return {**_HEADERS, **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+
+
+LIMIT_HEADERS = ("retry-after", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
+                 "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
+                 "x-ratelimit-reset-tokens")
 
 
 @dataclass
@@ -80,6 +96,9 @@ class RequestResult:
     refused: bool = False         # turned away by admission (503/429/529, server_overloaded): not a failure
     retry_after: Optional[str] = None   # a refusal's Retry-After header as sent (None: absent)
     refusal_s: float = 0.0        # s, send -> the refusal's answer
+    status: int = 0               # the answer's HTTP status
+    limited: str = ""             # over the API key's own limit (429 rate_limit_<limit>): which limit
+    limit_headers: dict = field(default_factory=dict)   # a refusal's Retry-After and x-ratelimit-* headers
 
 
 @dataclass
@@ -176,7 +195,8 @@ def _pool(url: str) -> tuple[Pool, str]:
     return Pool(host, port, connect_timeout_s=CONNECT_TIMEOUT_S), path
 
 
-async def _one(pool: Pool, path: str, body: dict, res: RequestResult, t0: float, timeout_s: float) -> None:
+async def _one(pool: Pool, path: str, body: dict, res: RequestResult, t0: float, timeout_s: float,
+               headers: Optional[dict] = None) -> None:
     start = time.perf_counter()
     res.sent = start - t0
     last: Optional[float] = None
@@ -185,10 +205,20 @@ async def _one(pool: Pool, path: str, body: dict, res: RequestResult, t0: float,
     conn = None
     try:
         async with asyncio.timeout(timeout_s) if hasattr(asyncio, "timeout") else _Deadline(timeout_s):
-            conn = await pool.request("POST", path, json.dumps(body).encode(), _HEADERS, None)
+            conn = await pool.request("POST", path, json.dumps(body).encode(), headers or _HEADERS, None)
+            res.status = conn.status
             if conn.status // 100 != 2:
                 raw = await conn.read_all()
-                if conn.status in REFUSAL_STATUSES and _overloaded(raw):
+                code = _error_code(raw)
+                if conn.status in (429, 503, 529):
+                    res.limit_headers = {h: conn.headers[h] for h in LIMIT_HEADERS if h in conn.headers}
+                if conn.status == 429 and code.startswith("rate_limit_"):
+                    res.limited = code[len("rate_limit_"):]       # the key's own limit: the caller's, not the box's
+                    res.refusal_s = time.perf_counter() - start
+                    res.retry_after = conn.headers.get("retry-after")
+                    res.error = f"limited: HTTP 429 {code}, Retry-After {res.retry_after}"
+                    return
+                if conn.status in REFUSAL_STATUSES and code == OVERLOADED_CODE:
                     res.refused = True          # a measurement: never retried
                     res.refusal_s = time.perf_counter() - start
                     res.retry_after = conn.headers.get("retry-after")
@@ -277,14 +307,16 @@ class _Deadline:
         return False
 
 
-async def prompt_token_counts(base_url: str, model: str, texts: Sequence[str], timeout_s: float = 60.0) -> list:
+async def prompt_token_counts(base_url: str, model: str, texts: Sequence[str], timeout_s: float = 60.0,
+                              api_key: Optional[str] = None) -> list:
     """The server's own ``usage.prompt_tokens`` for each text (None where it reported none or failed)."""
     pool, path = _pool(base_url.rstrip("/") + "/v1/completions")
     out = []
     try:
         for i, text in enumerate(texts):
             res = RequestResult(i)
-            await _one(pool, path, request_body(model, text, 1), res, time.perf_counter(), timeout_s)
+            await _one(pool, path, request_body(model, text, 1), res, time.perf_counter(), timeout_s,
+                       auth_headers(api_key))
             out.append(res.prompt_tokens if res.ok and res.prompt_tokens else None)
     finally:
         pool.close()
@@ -299,9 +331,10 @@ def request_body(model: str, prompt: str, output_len: int, stream: bool = True) 
 async def run_rate(base_url: str, model: str, prompts: Sequence[Prompt], rate: float, output_len: int,
                    seed: int = 2003, request_timeout_s: float = 600.0, deadline_s: Optional[float] = None,
                    progress: Optional[Progress] = None,
-                   on_start: Optional[Callable[[], None]] = None) -> RunResult:
+                   on_start: Optional[Callable[[], None]] = None, api_key: Optional[str] = None) -> RunResult:
     """Send ``prompts`` as a Poisson stream at ``rate`` req/s to ``base_url``/v1/completions; wait for all."""
     pool, path = _pool(base_url.rstrip("/") + "/v1/completions")
+    headers = auth_headers(api_key)
     offsets = arrival_offsets(len(prompts), rate, seed)
     if deadline_s is None:
         deadline_s = (offsets[-1] if offsets else 0.0) + request_timeout_s + 5.0
@@ -322,7 +355,7 @@ async def run_rate(base_url: str, model: str, prompts: Sequence[Prompt], rate: f
             peak = max(peak, inflight)
             try:
                 await _one(pool, path, request_body(model, prompts[i].text, output_len), results[i], t0,
-                           request_timeout_s)
+                           request_timeout_s, headers)
             finally:
                 inflight -= 1
                 if progress:

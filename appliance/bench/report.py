@@ -33,7 +33,8 @@ def _refused(d) -> str:
     n, bare = d.get("refused"), d.get("refused_without_retry_after") or 0
     if n is None:
         return "-"
-    return f"{n}" + (f" ({bare} no RA)" if bare else "")
+    lim = d.get("limited") or 0        # over the API key's own limits (429), not the box's refusals
+    return f"{n}" + (f" ({bare} no RA)" if bare else "") + (f" +{lim} key" if lim else "")
 
 
 COLUMNS = (  # header, width, cell

@@ -79,6 +79,7 @@ def summarize(run: RunResult, *, model: str, tokenizer_id: str, num_prompts: int
     requests and goodput by the SLOs given)."""
     ok = [r for r in run.results if r.ok]
     nref = sum(1 for r in run.results if r.refused)
+    nlim = sum(1 for r in run.results if r.limited)     # the key's own limits (429): the caller's, not a failure
     dur = max(run.duration, 1e-9)
     ttft = [r.ttft * 1000 for r in ok]
     e2el = [r.latency * 1000 for r in ok]
@@ -95,7 +96,8 @@ def summarize(run: RunResult, *, model: str, tokenizer_id: str, num_prompts: int
         "request_rate": rate if math.isfinite(rate) else "inf",
         "burstiness": 1.0, "max_concurrency": None,
         "duration": dur,
-        **throughput_fields(len(ok), len(run.results) - len(ok) - nref, tin, tout, dur),
+        **throughput_fields(len(ok), len(run.results) - len(ok) - nref - nlim, tin, tout, dur),
+        "limited": nlim,
         **admission_fields(run, slo_ttft_s, slo_tpot_ms),
         "max_output_tokens_per_s": _peak_tokens_per_s(ok),
         "max_concurrent_requests": run.max_concurrency,

@@ -222,3 +222,35 @@ async def test_the_audit_has_one_entry_per_request_and_never_the_prompt_or_the_k
     assert sum(reqs.values()) == 1000, reqs
     assert toks[("app", "prompt")] == sum(f["PDCTL_PROMPT_TOKENS"] for f in seen if f["PDCTL_KEY"] == "app")
     assert toks[("app", "completion")] == sum(f["PDCTL_COMPLETION_TOKENS"] for f in seen if f["PDCTL_KEY"] == "app")
+
+
+async def test_pdctl_bench_sends_a_key_and_counts_its_limit_apart_from_failures(door, tmp_path):
+    """``pdctl bench`` (a child process) against a box with keys on: without a key it stops at once saying how to
+    pass one; with ``--api-key-file`` it runs, and a key over its own tokens-per-minute limit shows as limited
+    (429 with Retry-After and x-ratelimit-*), never as a failure of the box."""
+    import os
+    import sys
+    px, _, k = door
+
+    async def bench(*extra, env=None):
+        p = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "appliance", "bench", "--url", px.url, "--rates", "inf", "--num-prompts", "6",
+            "--warmup", "0", "--input-len", "120", "--prefix-len", "0", "--output-len", "4", "--no-calibrate",
+            "--quiet", "--json", *extra, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "OPENAI_API_KEY": "", **(env or {})})
+        out, errs = await asyncio.wait_for(p.communicate(), 120)
+        return p.returncode, out.decode(), errs.decode()
+    rc, _, errs = await bench()
+    assert rc == 1 and "401" in errs and "--api-key-file" in errs, errs
+    f = tmp_path / "key"
+    f.write_text(k["app"] + "\n")
+    rc, out, errs = await bench("--api-key-file", str(f))
+    assert rc == 0, errs
+    row = json.loads(out)[0]
+    assert row["completed"] == 6 and row["failed"] == 0 and row["limited"] == 0
+    rc, out, errs = await bench("--model", "tiny", env={"OPENAI_API_KEY": k["tight"]})    # tpm 400
+    row = json.loads(out)[0]
+    assert row["limited"] >= 1 and row["failed"] == 0 and row["completed"] + row["limited"] == 6, row
+    (tmp_path / "empty").write_text("")
+    rc, _, errs = await bench("--api-key-file", str(tmp_path / "empty"))
+    assert rc == 2 and "is empty" in errs, errs
