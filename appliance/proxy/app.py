@@ -172,6 +172,10 @@ class ProxyServer:
     def _audit(self, entry: RequestEntry, request, resp, t0: float) -> None:
         entry.duration_s = round(time.monotonic() - t0, 4)
         entry.completion_tokens = request.completion_tokens
+        if request.prompt_tokens:                   # the engine's own count beats the proxy's estimate
+            entry.prompt_tokens = request.prompt_tokens
+        if request.box_refused:                     # refused for the box's state: nothing was used
+            entry.prompt_tokens = 0
         if resp is not None:
             entry.status = resp.status
             if resp.status >= 400 and not entry.code:

@@ -19,6 +19,7 @@ from .dialects import DIALECTS
 from .errors import ProxyError, bad_request
 from .legs import DecodeStream, Passthrough, PrefillResult, decode_body
 from .relay import Relay, StreamJob
+from .tokens import answer_usage
 from .routing import SKIP_NO_PREFILLER, Route, affinity_key
 from .telemetry import new_request_id
 from .validate import parse
@@ -81,17 +82,9 @@ async def generate(s, request: Request, path: str, kind: str):
         s.counts["inflight"] -= 1
         if who is not None:
             # a request the box refused (admission's 503) reached no engine: its prompt costs the key nothing
-            used = 0 if request.box_refused else prompt + request.completion_tokens
+            # the engine's own count of the prompt where the answer said it, else the estimate it reserved
+            used = 0 if request.box_refused else (request.prompt_tokens or prompt) + request.completion_tokens
             s.quota.finish(who, reserve, used)
-
-def completion_tokens(body: bytes) -> int:
-    """``usage.completion_tokens`` of a whole answer (0 when it has none): what a key's quota counts."""
-    try:
-        n = json.loads(body).get("usage", {}).get("completion_tokens", 0)
-    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
-        return 0
-    return n if isinstance(n, int) and n > 0 else 0
-
 
 async def _serve(s, request, parsed, path: str, api, t0: float, crid):
     kind = api.kind
@@ -188,7 +181,7 @@ async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, t
         return error_response(d, echo)
     if isinstance(d, Passthrough):
         if d.status == 200 and getattr(request, "caller", None) is not None:
-            request.completion_tokens = completion_tokens(d.body)
+            request.prompt_tokens, request.completion_tokens = answer_usage(d.body)
         if d.status == 200:
             dt = time.monotonic() - t0
             if trail is not None:

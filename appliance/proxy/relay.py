@@ -17,6 +17,7 @@ from . import migrate as M
 from .errors import ProxyError
 from .legs import DecodeStream, Passthrough
 from ..wire.client import UpstreamError
+from .tokens import stream_usage
 from .validate import CHAT
 
 log = logging.getLogger("pdctl.proxy")
@@ -66,6 +67,7 @@ class Relay:
         self.failed: set = set()
         self.migrations = 0
         self.events = 0                        # SSE events relayed (~ tokens: vLLM streams one per step)
+        self.usage_block: bytes | None = None  # the latest piece with a ``usage`` (include_usage: the stream's end)
 
     # ----- one leg ------------------------------------------------------------------------------------
     def _open(self, leg: _Leg) -> None:
@@ -89,6 +91,8 @@ class Relay:
 
     def _record(self, buf: bytes) -> None:
         self.tail = (self.tail + buf)[-32:]
+        if b'"usage"' in buf:
+            self.usage_block = buf
         if self.job.dialect is not None:
             self.job.dialect.feed(buf)
         if self.keep:
@@ -194,6 +198,10 @@ class Relay:
         self.s._count(job.kind, outcome)
         m.e2e_path[job.route].observe(time.monotonic() - job.t0)
         self.request.completion_tokens = max(0, self.events - 2)   # ~tokens relayed (a key's quota counts them)
+        if outcome == "ok":                     # the engine's own counts, where the client asked for them
+            prompt, done = stream_usage(self.usage_block)
+            if done:
+                self.request.prompt_tokens, self.request.completion_tokens = prompt, done
         trail = getattr(self.request, "trail", None)                # the audit entry (app._door)
         if trail is not None:
             trail.ttft_s = round(t_first - job.t0, 4)

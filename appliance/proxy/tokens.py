@@ -10,6 +10,8 @@ last good value (first: 4) stays.
 """
 from __future__ import annotations
 
+import json
+
 DEFAULT = 4.0
 MIN_TOKENS = 2000          # tokens seen before the learned ratio replaces the default
 LIMITS = (1.0, 8.0)        # characters per token of any real tokenizer on text
@@ -34,3 +36,31 @@ class CharsPerToken:
 
     def estimate(self, chars: int) -> int:
         return int(chars / self.value)
+
+
+def usage(u: object) -> tuple[int, int]:
+    """(prompt, completion) tokens of an OpenAI ``usage`` object (0 where it says nothing usable)."""
+    if not isinstance(u, dict):
+        return 0, 0
+    return tuple(n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+                 for n in (u.get("prompt_tokens"), u.get("completion_tokens")))
+
+
+def answer_usage(body: bytes) -> tuple[int, int]:
+    """(prompt, completion) tokens of a whole answer by its ``usage``: what a key's quota counts."""
+    try:
+        return usage(json.loads(body).get("usage"))
+    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
+        return 0, 0
+
+
+def stream_usage(block: bytes | None) -> tuple[int, int]:
+    """(prompt, completion) tokens of the last SSE data event with a ``usage`` in ``block`` (the stream's end
+    when the client asked ``stream_options.include_usage``)."""
+    for line in reversed((block or b"").split(b"\n")):
+        line = line.strip()
+        if line.startswith(b"data:") and b'"usage"' in line:
+            got = answer_usage(line[5:])
+            if any(got):
+                return got
+    return 0, 0

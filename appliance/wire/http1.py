@@ -46,7 +46,7 @@ class Response:
 
 class Request:
     __slots__ = ("method", "path", "query", "headers", "body", "conn", "keep_alive", "_head_pending", "started",
-                 "chunked", "head_only", "caller", "completion_tokens", "trail", "box_refused")
+                 "chunked", "head_only", "caller", "completion_tokens", "prompt_tokens", "trail", "box_refused")
 
     def __init__(self, conn, method: str, url: bytes, headers: dict, body: bytes, keep_alive: bool,
                  http10: bool = False):
@@ -62,6 +62,7 @@ class Request:
         self.started = False      # a streamed answer has begun: its status can no longer change
         self.caller = None        # who sent it, set by the application's door (the proxy: a named key)
         self.completion_tokens = 0   # what the answer used, set by the application (the proxy's per-key quota)
+        self.prompt_tokens = 0       # the prompt's tokens as the engine counted them (0: the answer did not say)
         self.trail = None         # the application's record of this request (the proxy's audit entry)
         self.box_refused = False  # the application refused it for its own state (overload): no work was done
 

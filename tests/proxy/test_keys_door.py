@@ -254,3 +254,29 @@ async def test_pdctl_bench_sends_a_key_and_counts_its_limit_apart_from_failures(
     (tmp_path / "empty").write_text("")
     rc, _, errs = await bench("--api-key-file", str(tmp_path / "empty"))
     assert rc == 2 and "is empty" in errs, errs
+
+
+async def test_a_keys_tokens_are_the_engines_own_counts_where_the_answer_says_them(door):
+    """Streamed with ``include_usage`` and whole: the key is charged the prompt and completion tokens the engine
+    reported in its usage, not the proxy's estimate of the prompt."""
+    px, _, k = door
+    before = px.server.quota.snapshot().get("app", {}).get("tokens", 0)
+    prompt = "count these words " * 40
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(px.url + "/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {k['app']}"}) as r:
+            raw = await r.read()
+        async with s.post(px.url + "/v1/completions", json={**body, "stream": False},
+                          headers={"Authorization": f"Bearer {k['app']}"}) as r2:
+            whole = json.loads(await r2.read())
+    assert r.status == 200 and r2.status == 200
+    usage = [json.loads(line[5:])["usage"] for line in raw.decode().splitlines()
+             if line.startswith("data: {") and '"usage"' in line and json.loads(line[5:]).get("usage")][-1]
+    want = usage["prompt_tokens"] + usage["completion_tokens"] + whole["usage"]["prompt_tokens"] + \
+        whole["usage"]["completion_tokens"]
+    # the engine counts differently from the proxy's estimate here, so the charge tells which was used
+    assert usage["prompt_tokens"] != px.server.chars_per_token.estimate(len(prompt)), usage
+    got = px.server.quota.snapshot()["app"]["tokens"] - before
+    assert got == want, (got, want, usage, whole["usage"])

@@ -44,3 +44,16 @@ def test_load_reads_renamed_metrics_of_an_older_vllm():
            'vllm:num_requests_running{engine="1"} 1.0\n')
     assert parse_load(old) == {"kv_usage": 0.75, "running": 3.0}
     assert parse_load("garbage {{{") == {}
+
+
+def test_usage_read_from_a_whole_answer_and_from_a_streams_end():
+    """What a key's quota charges: the engine's own prompt and completion counts where its answer carries them."""
+    from appliance.proxy.tokens import answer_usage, stream_usage
+    assert answer_usage(b'{"usage": {"prompt_tokens": 7869, "completion_tokens": 252}}') == (7869, 252)
+    assert answer_usage(b'{"usage": null}') == answer_usage(b"not json") == answer_usage(b"[]") == (0, 0)
+    assert answer_usage(b'{"usage": {"prompt_tokens": true, "completion_tokens": -3}}') == (0, 0)
+    end = (b'data: {"choices": [{"text": "x"}], "usage": {"prompt_tokens": 9, "completion_tokens": 1}}\n\n'
+           b'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}\n\ndata: [DONE]\n\n')
+    assert stream_usage(end) == (9, 4)                       # the last one: the whole answer's
+    assert stream_usage(b'data: {"choices": [{"text": "usage"}]}\n\n') == (0, 0)
+    assert stream_usage(None) == (0, 0)
