@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from ..wire.client import Pool
-from ..wire.fetch import Reply, fetch, split
+from ..wire.fetch import client_context, Reply, fetch, split
 
 
 class Scraper:
@@ -61,9 +61,11 @@ class Scraper:
             host, port, _ = split(url)
         except ValueError as e:
             return Reply(url, error=str(e))
-        pool = self._pools.get((host, port))
+        tls = url.startswith("https:")
+        pool = self._pools.get((host, port, tls))
         if pool is None:
-            pool = self._pools[(host, port)] = Pool(host, port, self.timeout_s)
+            pool = self._pools[(host, port, tls)] = Pool(host, port, self.timeout_s,
+                                                         ssl=client_context() if tls else None)
         r = await fetch(url, timeout_s=self.timeout_s, pool=pool)
         if r.timed_out:
             return replace(r, error=f"no answer within {self.timeout_s:g}s")

@@ -61,7 +61,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             key = Path(args.api_key_file).read_text().strip()
         except OSError as exc:
             raise FleetError(f"--api-key-file {args.api_key_file}: {exc.strerror}") from None
-    view = collect(fleet, api_key=key, timeout=args.timeout)
+    tls = None
+    if args.ca_file:
+        from ..wire.fetch import client_context
+        try:
+            tls = client_context(args.ca_file)
+        except (OSError, ValueError) as exc:
+            raise FleetError(f"--ca-file {args.ca_file}: cannot load it as PEM CA certificates ({exc}); give the "
+                             "CA that signed the boxes' certificates") from None
+    view = collect(fleet, api_key=key, timeout=args.timeout, tls=tls)
     sys.stdout.write(json.dumps(view.to_json(), indent=2) + "\n" if args.json else render_text(view))
     healthy = view.router.startswith("ok") and all(b.ready == "ready" for b in view.boxes)
     return EXIT_OK if healthy else EXIT_FAIL
@@ -135,8 +143,9 @@ def _wrap(fn):
 
 
 def _node_flags(p: argparse.ArgumentParser, required: bool) -> None:
-    p.add_argument("--node", action="append", required=required, metavar="[NAME=]HOST[:PORT]",
-                   help=f"a pdctl box's proxy (port {C.PROXY_PORT} by default); repeat per box")
+    p.add_argument("--node", action="append", required=required, metavar="[NAME=][https://]HOST[:PORT]",
+                   help=f"a pdctl box's proxy (port {C.PROXY_PORT} by default; https:// for a box with TLS on, "
+                        "whose certificate the router and `pdctl fleet status` check); repeat per box")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES,
                    help="vllm-router policy (default %(default)s: prefixes stay on the box that cached them)")
     p.add_argument("--listen", default=f"0.0.0.0:{C.ROUTER_PORT}", help="router address (default %(default)s)")
@@ -168,6 +177,7 @@ def register(subparsers) -> None:
     _node_flags(p, required=False)
     p.add_argument("--fleet", default=str(C.FLEET_PLAN))
     p.add_argument("--api-key-file", help="file with the boxes' API key (for their /pdctl/status)")
+    p.add_argument("--ca-file", help="PEM CA that signed the https boxes' certificates (default: the system's CAs)")
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_wrap(cmd_status))

@@ -39,6 +39,7 @@ class Node:
     port: int = C.PROXY_PORT
     name: str = ""
     status_port: int = 0      # where the box's read-only status answers; 0 = its public port
+    scheme: str = "http"      # "https" for a box with TLS on its public port ([proxy] tls_cert_file)
 
     @property
     def label(self) -> str:
@@ -51,12 +52,12 @@ class Node:
 
     @property
     def url(self) -> str:
-        return f"http://{self.hostport}"
+        return f"{self.scheme}://{self.hostport}"
 
     @property
     def status_url(self) -> str:
         h = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{h}:{self.status_port or self.port}{C.BOX_STATUS_PATH}"
+        return f"{self.scheme}://{h}:{self.status_port or self.port}{C.BOX_STATUS_PATH}"
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,10 @@ class FleetPlan:
     def from_json(cls, d: dict, where: str = "fleet plan") -> "FleetPlan":
         try:
             nodes = tuple(Node(host=n["host"], port=int(n["port"]), name=n.get("name", ""),
-                               status_port=int(n.get("status_port", 0))) for n in d["nodes"])
+                               status_port=int(n.get("status_port", 0)), scheme=n.get("scheme", "http"))
+                          for n in d["nodes"])
+            if any(n.scheme not in ("http", "https") for n in nodes):
+                raise ValueError("a node's scheme must be http or https")
             r = dict(d["router"])
             r["argv"] = tuple(r.get("argv", ()))
             router = RouterPlan(**r)
@@ -143,16 +147,20 @@ def _check_port(text: str, where: str) -> int:
 
 
 def parse_node(spec: str, where: str = "--node") -> Node:
-    """``HOST``, ``HOST:PORT``, ``[V6]:PORT`` or ``NAME=HOST[:PORT]`` -> Node (port defaults to the proxy's 9000)."""
+    """``HOST``, ``HOST:PORT``, ``[V6]:PORT`` or ``NAME=HOST[:PORT]`` -> Node (port defaults to the proxy's 9000);
+    ``https://`` before the host for a box with TLS on (``http://`` is the default)."""
     s = spec.strip()
     name = ""
     if "=" in s:
         name, s = (x.strip() for x in s.split("=", 1))
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", name):
             raise FleetError(f"{where} {spec!r}: name {name!r} must be letters, digits, '.', '_' or '-'")
-    if s.startswith("http://") or s.startswith("https://"):
-        raise FleetError(f"{where} {spec!r}: give HOST[:PORT] without a scheme (the router talks plain HTTP "
-                         "to each box's proxy)")
+    scheme = "http"
+    for pre in ("http://", "https://"):
+        if s.lower().startswith(pre):
+            scheme, s = pre[:-3], s[len(pre):].rstrip("/")
+    if "/" in s:
+        raise FleetError(f"{where} {spec!r}: give [https://]HOST[:PORT] without a path")
     if not s:
         raise FleetError(f"{where}: empty node; write HOST[:PORT]")
     if s.startswith("["):
@@ -171,7 +179,7 @@ def parse_node(spec: str, where: str = "--node") -> Node:
         host = _check_host(host, f"{where} {spec!r}")
         port = port if _ else None
     return Node(host=host, port=_check_port(port, f"{where} {spec!r}") if port is not None else C.PROXY_PORT,
-                name=name)
+                name=name, scheme=scheme)
 
 
 def parse_listen(text: str, where: str) -> tuple[str, int]:

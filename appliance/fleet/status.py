@@ -57,12 +57,13 @@ def _err(r: Reply) -> str:
     return r.error
 
 
-def box_view(node: Node, api_key: str | None, timeout: float = 2.0) -> BoxView:
-    r = fetch_sync(node.url + "/health", timeout_s=timeout)
+def box_view(node: Node, api_key: str | None, timeout: float = 2.0, tls=None) -> BoxView:
+    """``tls``: the client context for https boxes (default: the system's CAs)."""
+    r = fetch_sync(node.url + "/health", timeout_s=timeout, tls=tls)
     if r.error:
         return BoxView(node.label, node.url, f"down: {_err(r)}", "NA: box down", "box down")
     health = "ok" if r.status == 200 else f"HTTP {r.status}"
-    r = fetch_sync(node.url + "/ready", timeout_s=timeout)
+    r = fetch_sync(node.url + "/ready", timeout_s=timeout, tls=tls)
     if r.error:
         ready = f"NA: {_err(r)}"
     elif r.status == 200:
@@ -74,7 +75,7 @@ def box_view(node: Node, api_key: str | None, timeout: float = 2.0) -> BoxView:
             why = f"HTTP {r.status}"
         ready = f"not ready: {why}"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = fetch_sync(node.status_url, headers=headers, timeout_s=timeout)
+    r = fetch_sync(node.status_url, headers=headers, timeout_s=timeout, tls=tls)
     if r.error:
         return BoxView(node.label, node.url, health, ready, f"status endpoint: {_err(r)}")
     if r.status == 404:
@@ -132,9 +133,9 @@ def _get(m: dict, name: str, **labels) -> float | None:
     return None
 
 
-def collect(fleet: FleetPlan, api_key: str | None = None, timeout: float = 2.0) -> FleetView:
+def collect(fleet: FleetPlan, api_key: str | None = None, timeout: float = 2.0, tls=None) -> FleetView:
     with ThreadPoolExecutor(max_workers=min(16, len(fleet.nodes) + 1)) as ex:
-        futs = [ex.submit(box_view, n, api_key, timeout) for n in fleet.nodes]
+        futs = [ex.submit(box_view, n, api_key, timeout, tls) for n in fleet.nodes]
         metrics, merr = router_metrics(fleet.router.metrics_url, timeout)
         boxes = [f.result() for f in futs]
     router = "ok"

@@ -42,23 +42,35 @@ class Reply:
 
 
 def split(url: str) -> tuple[str, int, str]:
-    """(host, port, path with query) of an http:// URL."""
+    """(host, port, path with query) of an http:// or https:// URL."""
     u = urlsplit(url)
-    if u.scheme != "http" or not u.hostname:
-        raise ValueError(f"{url!r}: only http://host:port URLs are fetched (loopback services)")
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"{url!r}: only http(s)://host:port URLs are fetched")
     path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-    return u.hostname, u.port or 80, path
+    return u.hostname, u.port or (443 if u.scheme == "https" else 80), path
+
+
+def client_context(ca_file: str | None = None):
+    """TLS client settings for an https URL: the system's trusted CAs, or only ``ca_file`` (a box's private CA);
+    the certificate and its host name are always checked."""
+    import ssl
+    return ssl.create_default_context(cafile=ca_file) if ca_file else ssl.create_default_context()
 
 
 async def fetch(url: str, method: str = "GET", body: bytes = b"", headers: dict | None = None,
-                timeout_s: float = 2.0, limit: int = DEFAULT_LIMIT, pool: Pool | None = None) -> Reply:
-    """Send one request and read its whole answer within ``timeout_s`` (connect, head and each read)."""
+                timeout_s: float = 2.0, limit: int = DEFAULT_LIMIT, pool: Pool | None = None,
+                tls=None) -> Reply:
+    """Send one request and read its whole answer within ``timeout_s`` (connect, head and each read). An https
+    URL speaks TLS with ``tls`` (an ``ssl.SSLContext``; default ``client_context()``)."""
     try:
         host, port, path = split(url)
-    except ValueError as e:
+        if url.startswith("https:") and tls is None:
+            tls = client_context()
+    except (ValueError, OSError) as e:
         return Reply(url, error=str(e))
     own = pool is None
-    p = pool if pool is not None else Pool(host, port, connect_timeout_s=timeout_s)
+    p = pool if pool is not None else Pool(host, port, connect_timeout_s=timeout_s,
+                                           ssl=tls if url.startswith("https:") else None)
     try:
         h = dict(headers or {})
         if body and not any(k.lower() == "content-type" for k in h):
@@ -81,7 +93,7 @@ async def fetch(url: str, method: str = "GET", body: bytes = b"", headers: dict 
 
 
 def fetch_sync(url: str, method: str = "GET", body: bytes = b"", headers: dict | None = None,
-               timeout_s: float = 2.0, limit: int = DEFAULT_LIMIT) -> Reply:
+               timeout_s: float = 2.0, limit: int = DEFAULT_LIMIT, tls=None) -> Reply:
     """``fetch`` for code without an event loop (a running loop must ``await fetch`` instead)."""
     try:
         asyncio.get_running_loop()
@@ -91,7 +103,7 @@ def fetch_sync(url: str, method: str = "GET", body: bytes = b"", headers: dict |
         raise RuntimeError("fetch_sync called from a running event loop: await appliance.wire.fetch.fetch")
     loop = asyncio.new_event_loop()
     try:
-        return loop.run_until_complete(fetch(url, method, body, headers, timeout_s, limit))
+        return loop.run_until_complete(fetch(url, method, body, headers, timeout_s, limit, tls=tls))
     finally:
         loop.close()
 

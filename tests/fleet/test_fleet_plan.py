@@ -26,10 +26,14 @@ def test_node_urls_bracket_ipv6_and_use_status_port():
     assert n.url == "http://[fd00::1]:9000"
     assert n.status_url == f"http://[fd00::1]:9001{C.BOX_STATUS_PATH}"
     assert Node(host="a", port=9000).status_url == f"http://a:9000{C.BOX_STATUS_PATH}"
+    tls = parse_node("secure=HTTPS://box-b.lan:9443/")
+    assert (tls.scheme, tls.url, tls.label) == ("https", "https://box-b.lan:9443", "secure")
+    assert tls.status_url == f"https://box-b.lan:9443{C.BOX_STATUS_PATH}"
+    assert parse_node("http://10.0.0.5").url == "http://10.0.0.5:9000"
 
 
 @pytest.mark.parametrize("spec,needle", [
-    ("http://10.0.0.5:9000", "without a scheme"),
+    ("https://10.0.0.5:9000/v1", "without a path"),
     ("", "empty node"),
     ("box:0", "1..65535"),
     ("box:http", "1..65535"),
