@@ -52,6 +52,9 @@ def _err(r: Reply) -> str:
     """Why a request got no answer, in the words of the status table."""
     if r.timed_out:
         return "timed out"
+    if r.unreachable and "CERTIFICATE_VERIFY_FAILED" in r.error:
+        return ("TLS: the box's certificate is not trusted (CERTIFICATE_VERIFY_FAILED): pass --ca-file with the CA "
+                "that signed it")
     if r.unreachable:
         return "connection refused or unreachable"
     return r.error

@@ -177,3 +177,21 @@ async def test_bad_files_named_at_start_and_a_bad_reload_keeps_the_old(fresh, pr
     changes = px.server.reload(replace(px.server.cfg, tls_client_ca_file=str(ca.pem)))
     assert any("turning mutual TLS on needs a restart" in c for c in changes), changes
     assert (await peer(px.server.public_port, client_ctx(ca)))[1] == der0
+
+
+async def test_fleet_status_reads_an_https_box_with_its_ca_and_refuses_without(fresh, proxy_factory, ca):
+    """``pdctl fleet status`` on a box with TLS on (``--node https://...``): with the box's CA it reads health,
+    readiness and the box's status over TLS; with only the system's CAs the box counts as down (never read in
+    the clear)."""
+    from appliance.fleet.plan import parse_node
+    from appliance.fleet.status import box_view
+    from appliance.wire.fetch import client_context, fetch
+    px = await proxy_factory(tls_cfg(fresh, ca.issue("server"), public_status=True, api_key="sk-fleet-status"))
+    node = parse_node(f"box=https://localhost:{px.server.public_port}")
+    r = await fetch(node.url + "/health", tls=client_context(str(ca.pem)), timeout_s=5)
+    assert r.status == 200, r.error
+    seen = await asyncio.to_thread(box_view, node, "sk-fleet-status", 5.0, client_context(str(ca.pem)))
+    assert seen.health == "ok" and seen.ready.split(":")[0] in ("ready", "not ready"), seen   # answered
+    assert not seen.detail and seen.inflight is not None, seen     # its /pdctl/status read and understood
+    blind = await asyncio.to_thread(box_view, node, "sk-fleet-status", 5.0)
+    assert blind.health.startswith("down") and "CERTIFICATE_VERIFY_FAILED" in blind.health, blind
