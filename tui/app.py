@@ -3,8 +3,9 @@
 Layout (app.tcss, responsive through the screen's width/height breakpoint classes): a header (plan, GPUs,
 model, uptime; the state and the one reason that matters), a summary row whose height is what the tables
 leave (latency charts with the goodput line, throughput with refusals and the admission queue, KV with prefill
-saved first), the decision mix, the roles table and the
-per-GPU table (each as tall as its rows), the journal pane on ``l``. Enter on a role opens its detail.
+saved first), the decision mix, the roles table, the
+per-GPU table and the per-key table (each as tall as its rows; the keys table only on a box whose proxy counted a
+named key), the journal pane on ``l``. Enter on a role opens its detail.
 
 Loop (dolphie's): a thread worker reads ``source.latest()``; on success the UI thread renders and
 re-arms a one-shot timer, so polls never overlap or pile up. The source is anything with ``latest()``
@@ -42,6 +43,7 @@ from .widgets.latency import LatencyPanel
 from .widgets.rows import RowsPanel
 
 ALL_UNITS = "*"                  # the journal's unit filter: every unit of the box
+KEYS_BESIDE_FLEET_ROWS = 40      # a front node's screen shows the keys table beside the fleet from this height
 
 
 class SnapshotSource(Protocol):
@@ -114,6 +116,7 @@ class PdctlApp(App):
             yield Static(id="decisions")
             yield DataTable(id="roles", cursor_type="row", zebra_stripes=False)
             yield DataTable(id="gpus", cursor_type="none")      # read-only: no row to act on
+            yield DataTable(id="keys", cursor_type="none")      # named keys: only when the proxy counted one
         if self.fleet is not None:
             if self.fleet_only:               # the fleet is the dashboard: router line, boxes, every reason
                 yield Static(id="fleet-line")
@@ -148,6 +151,11 @@ class PdctlApp(App):
             self.query_one("#traffic").border_title = "throughput"
             self.query_one("#roles").border_title = "roles"
             self.query_one("#gpus").border_title = "GPUs"
+            keys = self.query_one("#keys")
+            keys.border_title = "keys"
+            keys.tooltip = ("per named key: in flight, requests and tokens in the last minute (sliding), tokens today, "
+                            "admitted and refused by limit since the proxy started (`pdctl status --keys` adds "
+                            "the keys file's limits)")
             self._set("#title", header_panel.title(None, self.paused))
             self.query_one("#roles", DataTable).focus()
             self.poll()
@@ -227,11 +235,29 @@ class PdctlApp(App):
             if snap.gpus:
                 gpus.border_title = f"GPUs · {snap.gpu_count}x {snap.gpu_model} ({snap.gpu_source})"
                 tables.render_gpus(gpus, snap)
+            self._render_keys(snap, gpus)
         if self.log_unit and self.query_one("#logs").display:
             self.fetch_logs(self.log_unit, self._log_cursor)
         if isinstance(self.screen, Detail):
             self.screen.show(snap)
             self.screen.fetch()
+
+    def _render_keys(self, snap: Snapshot, gpus: DataTable) -> None:
+        """The keys table, only where the proxy counted a named key (the screen's -keys class shows it, app.tcss;
+        without it the layout is as before), and on a box that is also the fleet's front node only from
+        KEYS_BESIDE_FLEET_ROWS rows (below, the fleet table keeps the room; ``pdctl status --keys`` has them). It
+        is at most a sixth of the screen; where it shares the height with the GPU table, neither is taller than its
+        rows: no empty rows."""
+        keys = self.query_one("#keys", DataTable)
+        h = self.size.height
+        shown = tables.has_keys(snap) and (self.fleet is None or h >= KEYS_BESIDE_FLEET_ROWS)
+        self.screen.set_class(shown, "-keys")
+        if shown:
+            tables.render_keys(keys, snap)
+            keys.styles.max_height = min(keys.row_count + 3, max(4, h // 6))      # rows + header + border
+            gpus.styles.max_height = min(len(snap.gpus) + 3, max(4, h * 35 // 100))
+        elif gpus.styles.has_rule("max_height"):
+            gpus.styles.max_height = None                                     # back to app.tcss
 
     def on_resize(self, event: Any) -> None:
         """Tables pick their columns by width: re-render the last snapshot at the new size."""
@@ -384,6 +410,11 @@ class PdctlApp(App):
         zoomed = self.query_one("#roles").display
         for sel in ("#summary", "#decisions", "#roles", "#gpus"):
             self.query_one(sel).display = not zoomed
+        keys = self.query_one("#keys")
+        if zoomed:
+            keys.display = False
+        else:
+            keys.styles.clear_rule("display")     # app.tcss again: shown where the proxy counted a key
         fleet = self.query_one("#fleet", DataTable)
         fleet.focus() if zoomed else self.query_one("#roles", DataTable).focus()
 

@@ -152,6 +152,24 @@ def derive(plan: Any, eps: Endpoints, got: dict, m: Parsed, window: Window, stat
                  tpot_p95_s=tpot95, gpu_source=source, gpus=gpus)
 
 
+def _named(d: Any) -> dict:
+    """The entries of a {name: {...}} object that are objects themselves (anything else in it is left out)."""
+    return {str(k): dict(v) for k, v in d.items() if isinstance(v, dict)} if isinstance(d, dict) else {}
+
+
+def keys_of(status: Any) -> dict:
+    """ProxyStatus's ``keys`` and ``tenants`` from the proxy's parsed status JSON (``status``: a dict, a string
+    saying why it is not JSON, or NA when it did not answer). A proxy older than named keys has neither: empty."""
+    if isinstance(status, NA):
+        return {"keys": status, "tenants": status}
+    if not isinstance(status, dict):
+        why = NA(f"proxy status: {status}")
+        return {"keys": why, "tenants": why}
+    adm = status.get("admission")
+    return {"keys": _named(status.get("keys")),
+            "tenants": _named(adm.get("tenants") if isinstance(adm, dict) else None)}
+
+
 def history_values(p: Parts) -> dict:
     """This tick's value of every charted series (HISTORY_SERIES, and per GPU its util and memory)."""
     vals = {"ttft_p50": p.proxy.ttft_p50_s, "ttft_p95": p.proxy.ttft_p95_s, "tpot_p50": p.tpot_p50_s,
@@ -363,6 +381,7 @@ class _Derive:
                 skipped = NA("first sample: rates need two ticks")
         st = got["px_status"]
         doc = parse_json(st) if st.ok else None
+        status = doc if st.ok else NA(f"{st.url}: {st.error}")
         if isinstance(uptime, NA) and isinstance(doc, dict) and isinstance(doc.get("uptime_s"), (int, float)):
             uptime = float(doc["uptime_s"])
         if isinstance(uptime, NA) and not isinstance(state.since, NA) and state.active == "active":
@@ -371,7 +390,7 @@ class _Derive:
                            inflight=inflight, ttft_p50_s=ttft_p50, ttft_p95_s=ttft_p95, pd_skipped=skipped,
                            retries_per_s=retries, breakers=breakers, uptime_s=uptime,
                            decisions=routing.mix(win, pm), state=state,
-                           admission=ADM.figures(win, pm, doc if st.ok else NA(f"{st.url}: {st.error}")))
+                           admission=ADM.figures(win, pm, status), **keys_of(status))
 
     def layers(self, workers: tuple, kv: KVServerStatus, legs_exposed: Any) -> KVLayers:
         """Token-weighted hit rate across workers per layer (Σhits/Σqueries, not a mean of ratios)."""

@@ -167,6 +167,13 @@ class ProxyStatus:
     decisions: DecisionMix
     state: UnitState
     admission: Admission = Admission.na("not collected")
+    # named keys (the status JSON's "keys", appliance/keys/quota.py Quota.snapshot): {key name: {"inflight",
+    # "requests_last_min", "tokens_last_min", "reserved_tokens", "tokens_today", "admitted", "refused": {limit:
+    # count}, "tokens"}}; empty when no key has been used (or a proxy older than keys), NA when the JSON did not answer
+    keys: Union[dict, NA] = field(default_factory=dict)
+    # the admission's tenants (appliance/proxy/admission.py Gate.status): {key name: {"running", "weight"}}, the
+    # weight being its key's class weight (keys/table.CLASS_WEIGHTS); empty when none has asked admission yet
+    tenants: Union[dict, NA] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -331,3 +331,27 @@ def test_the_proxy_detail_lists_admission():
     assert "goodput" in out and "3.6 req/s within both SLOs" in out
     assert "0.50/s (deadline 0.40, expired 0.10)" in out
     assert "queue wait p95" in out and "420ms" in out
+
+
+async def test_the_keys_table_shows_a_row_per_named_key_and_is_absent_without_keys():
+    from dataclasses import replace
+    snap = full(4)
+    keyed = replace(snap, proxy=replace(snap.proxy, keys={"app": {
+        "inflight": 1, "requests_last_min": 12, "tokens_last_min": 3400, "reserved_tokens": 200, "tokens_today": 56000,
+        "admitted": 78, "refused": {"rpm": 2}, "tokens": 56000}}, tenants={"app": {"running": 1, "weight": 4.0}}))
+    app = make([keyed])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        keys = app.query_one("#keys")
+        assert keys.display and keys.border_title == "keys" and keys.row_count == 1
+        assert cell(app, "keys", "app", "key") == "app" and cell(app, "keys", "app", "class") == "interactive"
+        assert cell(app, "keys", "app", "requests_min") == "12" and cell(app, "keys", "app", "tokens_today") == "56000"
+        assert cell(app, "keys", "app", "refused") == "rpm 2"
+        assert "app" in shown(app, "#keys") and "in flight" in shown(app, "#keys")
+        await pilot.press("question_mark")
+        await settle(pilot)
+        assert "per named key" in str(app.screen.query_one("#help-text").render())   # the glossary explains it
+    app = make([snap])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        assert not app.query_one("#keys").display and app.query_one("#keys").row_count == 0

@@ -60,6 +60,10 @@ NUMBERS = (
     ("status", "the launcher's STATUS= (what a starting engine is doing); proxy: ready or why not"),
     ("GPU rows", "utilisation and memory in use now and their history, temperature, power / limit, and the "
                  "worker bound to the GPU"),
+    ("keys", "per named key (only when the proxy counted one; on a fleet front node from 40 rows): its class once "
+             "admission weighed it, requests in flight, requests and tokens in the last minute (sliding), tokens "
+             "today, admitted and refused by limit since the proxy started; `pdctl status --keys` adds the keys "
+             "file's limits (used/limit)"),
     ("window", "rates and ratios are deltas between samples over the last ~10 s, never lifetime totals"),
 )
 

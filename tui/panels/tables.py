@@ -1,9 +1,10 @@
-"""Roles and GPU tables: keyed rows updated in place with update_cell (keeps cursor and scroll).
+"""Roles, GPU and keys tables: keyed rows updated in place with update_cell (keeps cursor and scroll).
 
 The columns follow the table's width (``columns_for``): at 80 columns the ones an operator needs to act
 (health, restarts, queue, KV, breaker, legs), wider screens add role, GPU, tokens/s, legs/s, STATUS= text
 and history sparklines. Without systemd the unit and restart columns are left out (the header says why
-once) instead of showing NA in every row.
+once) instead of showing NA in every row. The keys table (one row per named key, from the proxy's status) shows
+only on a box whose proxy has counted a key.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from textual.widgets import DataTable
 
 from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
+from appliance.keys.table import CLASS_WEIGHTS
+from appliance.views import keys_table
 from appliance.views.status import gib, health_short, legs_text, num, pct, text, unit_text
 
 from ..widgets.bars import bar
@@ -27,6 +30,12 @@ ROLE_COLUMNS = (("inst", "instance", 0), ("role", "role", 1), ("unit", "unit", 0
 UNIT_KEYS = ("unit", "rst")
 GPU_COLUMNS = (("gpu", "GPU", 0), ("role", "role", 0), ("util", "util", 0), ("util_h", "util history", 1),
                ("mem", "memory", 0), ("mem_h", "memory history", 2), ("temp", "temp", 0), ("power", "power", 0))
+
+# the keys table: the key, its class, then its use as ``keys_table.rows`` words it (used/limit where a limit is known)
+KEY_COLUMNS = (("key", "key", 0), ("class", "class", 1), ("in_flight", "in flight", 0), ("requests_min", "req/min", 0),
+               ("tokens_min", "tok/min", 0), ("tokens_today", "tok today", 1), ("admitted", "admitted", 0),
+               ("refused", "refused", 0))
+CLASS_OF_WEIGHT = {w: c for c, w in CLASS_WEIGHTS.items()}
 
 
 def width_class(width: int) -> int:
@@ -200,3 +209,42 @@ def render_roles(table: DataTable, snap: Snapshot) -> None:
     rows = role_rows(snap)
     cols = with_id_widths(rows, columns_for(ROLE_COLUMNS, w, systemd=not snap.units_note), ("inst",))
     _sync(table, rows, _fit_last(rows, cols, w) if cols[-1][0] == "status" else cols)
+
+
+def has_keys(snap: Snapshot) -> bool:
+    """Whether the proxy counted a named key (the keys table shows only then: no empty pane on a box without)."""
+    return not is_na(snap.proxy.keys) and bool(snap.proxy.keys)
+
+
+def _class(tenant: Any) -> Text:
+    """A key's class from its admission weight (the proxy weighs a key by its class); "-" until it asked."""
+    w = tenant.get("weight") if isinstance(tenant, dict) else None
+    c = CLASS_OF_WEIGHT.get(float(w)) if isinstance(w, (int, float)) else None
+    return Text(c) if c else Text("-", style="dim")
+
+
+def key_rows(snap: Snapshot) -> list[tuple[str, dict]]:
+    """One row per key the proxy counted (``keys_table.rows`` without the keys file: the TUI's user seldom may
+    read it, so limits are unknown); the class where the admission has weighed the key. [] when the proxy counted
+    no key (or its status did not answer): then there is no keys table."""
+    if not has_keys(snap):
+        return []
+    live, tenants = snap.proxy.keys, snap.proxy.tenants
+    tenants = {} if is_na(tenants) else tenants
+    rows = []
+    for r in keys_table.rows(live, None):
+        refused = r["refused"]
+        rows.append((r["key"], {
+            "key": r["key"], "class": _class(tenants.get(r["key"])), "in_flight": str(r["in_flight"]),
+            "requests_min": str(r["requests_min"]), "tokens_min": str(r["tokens_min"]),
+            "tokens_today": str(r["tokens_today"]), "admitted": str(r["admitted"]),
+            "refused": Text(refused, style="dim" if refused == "-" else "yellow"),
+        }))
+    return rows
+
+
+def render_keys(table: DataTable, snap: Snapshot) -> None:
+    w = table.app.size.width
+    rows = key_rows(snap)
+    cols = with_id_widths(rows, columns_for(KEY_COLUMNS, w), ("key",))
+    _sync(table, rows, _fit_last(rows, cols, w))
