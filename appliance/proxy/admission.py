@@ -16,6 +16,7 @@ Fair shares: every started request counts as one stream of its tenant (its named
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -47,6 +48,7 @@ class Ticket:
         """The request ended (answered, failed or left): its reservations go, its tenant runs one stream less."""
         self.release_all()
         if self.tenant is not None:
+            self.gate.shares.ended(self.tenant, time.monotonic() - self.start)
             self.gate.ended(self.tenant)
             self.tenant = None
 
@@ -76,11 +78,13 @@ class Gate:
         self.prior = prior
         self.queue = A.WaitQueue()
         self.drain = A.DrainMeter()
+        self.starts = A.DrainMeter()    # every start, at arrival or from the queue (the room that appears)
         self.rates: dict = {}          # backend label -> WorkerRates
         self._counters: dict = {}      # (outcome, reason, priority) -> its labelled counter
         self._poke_pending = False
         self.running: Counter = Counter()     # tenant -> requests started and not ended
         self.weights: dict = {}               # tenant -> its weight in the share (the last request's)
+        self.shares = A.Shares()              # what a full box owes each tenant (admit.Shares)
 
     # ----- configuration --------------------------------------------------------------------------
     @property
@@ -107,13 +111,31 @@ class Gate:
 
     # ----- the step ---------------------------------------------------------------------------------
     def _judge(self, now: float, ask: A.Ask, rt, ahead: int, arriving: bool = True) -> A.Verdict:
+        """``judge`` on the chosen workers; a tenant past its share of the starts while another waits is judged
+        against its scaled TTFT target (admit.Shares.target_scale); a wait is noted for the shares."""
+        pol = self.policy
+        if len(self.running) + len(self.queue.tenants()) >= 2 and pol.mode == "slo":
+            scale = self.shares.target_scale(ask.tenant, self.running, self.queue.tenants(), self.weights, now)
+            if scale < 1.0:
+                pol = replace(pol, target=pol.target * scale)
+        v = self._judge_with(now, ask, rt, ahead, arriving, pol)
+        if v.action != A.ADMIT:                      # it waits or is turned away: its tenant is asking, unserved
+            self.shares.waited(ask.tenant, now)
+        return v
+
+    def _judge_with(self, now: float, ask: A.Ask, rt, ahead: int, arriving: bool, pol: A.Policy) -> A.Verdict:
         cap = self.s.cfg.max_num_seqs or (1 << 30)
         dec = self.view(rt.decode, cap)
         pre = self.view(rt.prefill, cap) if rt.prefill is not None else None
-        q = A.QueueView(ahead, len(self.queue), self.drain.rate(now), arriving)
+        drain = self.drain.rate(now)
+        if len(self.running) + len(self.queue.tenants()) >= 2:
+            # tenants share the box: a tenant first in the fair order gets whatever room appears, started from the
+            # queue or at another's arrival alike, so its wait is told by every start, not only the queue's
+            drain = max(drain, self.starts.rate(now))
+        q = A.QueueView(ahead, len(self.queue), drain, arriving)
         if ask.uncached != rt.uncached:
             ask = replace(ask, uncached=rt.uncached)
-        return A.judge(now, ask, pre, dec, q, self.policy)
+        return A.judge(now, ask, pre, dec, q, pol)
 
     def standing(self, tenant: str) -> float:
         """Streams ``tenant`` would run for its weight with one more started: who goes first when several tenants
@@ -127,9 +149,39 @@ class Gate:
             del self.running[tenant]
         self.poke()
 
+    def capacity(self) -> int:
+        """Streams the decoding workers take within the TPOT target now (admit.stream_room on their learnt rates)."""
+        cap = self.s.cfg.max_num_seqs or (1 << 30)
+        return sum(A.stream_room(self.worker_rates(b).rates(), self.policy, cap) for b in self.s.backends
+                   if b.spec.role in ("decode", "both") and b.breaker.allows())
+
+    def _within_share(self, v: A.Verdict, ask: A.Ask, rt, now: float) -> A.Verdict:
+        """An admission the shares hold back becomes a wait (``R_SHARE``): the chosen worker must keep room for the
+        streams other tenants are owed (admit.Shares.owed), spread over the decoding workers."""
+        if v.action != A.ADMIT or v.reason == A.R_IDLE or len(self.running) + len(self.queue.tenants()) < 2:
+            return v
+        self.shares.capacity = self.capacity()
+        owed = self.shares.owed(ask.tenant, self.running, self.queue.tenants(), self.weights, now)
+        if owed <= 0:
+            return v
+        decoders = sum(1 for b in self.s.backends if b.spec.role in ("decode", "both") and b.breaker.allows())
+        extra = math.ceil(owed / max(1, decoders))
+        cap = self.s.cfg.max_num_seqs or (1 << 30)
+        d = self.view(rt.decode, cap)
+        dec = replace(d, streams=d.streams + extra)
+        pre = self.view(rt.prefill, cap) if rt.prefill is not None else None
+        q = A.QueueView(0, len(self.queue), self.drain.rate(now), False)
+        again = A.judge(now, replace(ask, uncached=rt.uncached), pre, dec, q,
+                        replace(self.policy, target=1.0) if self.policy.mode == "slo" else self.policy)
+        if again.action == A.ADMIT:
+            return v
+        return A.Verdict(A.QUEUE, A.R_SHARE, v.ttft_s)
+
     def _ticket(self, now: float, rt, tenant: str = "") -> Ticket:
         t = Ticket(self, now, tenant=tenant)
         self.running[tenant] += 1
+        self.shares.started(tenant, now)
+        self.starts.started(now)
         first = rt.prefill if rt.prefill is not None else rt.decode
         t.ahead = first.prefill_backlog + first.reserved_tokens + rt.uncached
         parts = {first: (0, rt.uncached)}
@@ -156,7 +208,8 @@ class Gate:
         if not self.active or rt.decode is None:
             return rt, None
         self.weights[ask.tenant] = ask.weight
-        v = self._judge(now, ask, rt, self.queue.rank(ask, self.standing))
+        self.shares.asked(ask.tenant, now)
+        v = self._within_share(self._judge(now, ask, rt, self.queue.rank(ask, self.standing)), ask, rt, now)
         self._count(v, ask.priority)
         if v.action == A.ADMIT:
             return rt, self._ticket(now, rt, ask.tenant)
@@ -237,7 +290,7 @@ class Gate:
                 self.queue.pop(key)
                 self._finish(w, A.Verdict(A.ADMIT, A.R_IDLE), rt, None)
                 continue
-            v = self._judge(now, w.ask, rt, 0, arriving=False)
+            v = self._within_share(self._judge(now, w.ask, rt, 0, arriving=False), w.ask, rt, now)
             if v.action == A.QUEUE:
                 break
             self.queue.pop(key)
@@ -265,7 +318,9 @@ class Gate:
                    {"inactive": f"policy {self.s.cfg.policy}: admission judges the workers the adaptive policy "
                                 "chose; set [proxy] policy = \"adaptive\""}),
                 "queue": len(self.queue), "drain_per_s": round(self.drain.rate(now), 3),
-                "tenants": {t: {"running": self.running.get(t, 0), "weight": self.weights.get(t, 1.0)}
+                "stream_room": self.capacity() if self.active else None,
+                "tenants": {t: {"running": self.running.get(t, 0), "weight": self.weights.get(t, 1.0),
+                                **self.shares.status(now).get(t, {})}
                             for t in sorted(set(self.running) | {t for t in self.weights if t})},
                 "ttft_slo_s": self.policy.ttft_slo_s, "tpot_slo_ms": round(self.policy.tpot_slo_s * 1000, 3),
                 "workers": {k: {"ttft_base_s": round(r.rates().ttft_a, 4),

@@ -181,3 +181,61 @@ def test_wait_queue_shares_by_weight_between_tenants():
     assert not q.goes_before(q.last(standing)[0], A.Ask(1.2, 3.2, 0, 0, "app", 4.0), standing)
     assert q.pop(ka)[1] == "app0" and q.head(standing)[1] == "app1"
     assert q.remove(q.head(standing)[0]) and q.head(standing)[1] == "bulk0" and len(q) == 3
+
+
+def test_shares_keep_free_what_a_tenant_behind_needs_by_littles_law_up_to_its_share():
+    """A tenant behind in the fair order is owed the streams it runs at the rate it asks (rate x stream duration
+    x 1.25 + 2, Little's law) up to its weighted share of the box, less what it runs; a tenant ahead is owed
+    nothing; alone, nobody is owed anything."""
+    import math
+    w = {"app": 4.0, "bulk": 1.0}
+    s = A.Shares(half_life_s=10.0)
+    s.capacity = 1000
+    s.asked("app", 0.0)
+    assert s.owed("bulk", {"app": 1, "bulk": 29}, set(), w, 0.0) == 799     # no stream of app ended: its share
+    for k in range(300):                      # app asks 5 per second for 60 s; its streams last 16 s
+        s.asked("app", k * 0.2)
+    for _ in range(50):
+        s.ended("app", 16.0)
+    now = 59.8
+    assert abs(s.rate("app", now) - 5.0) < 0.1
+    need = s.need("app", now)
+    assert abs(need - (5.0 * 16 * 1.25 + 2)) < 3
+    assert s.owed("bulk", {"app": 60, "bulk": 29}, set(), w, now) == math.ceil(need - 60)
+    s.capacity = 100                                                   # app's share: 80 streams
+    assert s.owed("bulk", {"app": 60, "bulk": 29}, set(), w, now) == 20
+    assert s.owed("bulk", {"app": 150, "bulk": 29}, set(), w, now) == 0    # app ahead: 151/4 > 30
+    assert s.owed("app", {"app": 60, "bulk": 29}, set(), w, now) == 0      # bulk ahead of app
+    assert s.owed("bulk", {"bulk": 129}, set(), w, now) == 0               # alone
+    assert s.owed("bulk", {"bulk": 99}, {"app"}, w, now) == 80             # app waiting: asking
+    assert s.owed("bulk", {"bulk": 10, "app": 1}, set(), w, now + 60) == 3     # app quiet for a minute: 5/64 x 20 + 2 - 1
+    s.waited("app", now + 60)                 # but one of its requests just had to wait: all its share is kept
+    assert s.owed("bulk", {"bulk": 10, "app": 1}, set(), w, now + 61) == 79
+    assert s.owed("bulk", {"bulk": 10, "app": 1}, set(), w, now + 66) == 3      # 6 s later: its rate again
+
+
+def test_target_scale_slows_a_tenant_past_its_share_of_starts_while_another_waits():
+    w = {"app": 4.0, "bulk": 1.0}
+    s = A.Shares(half_life_s=10.0, recent_s=5.0)
+    for _ in range(6):
+        s.started("bulk", 0.0)
+    for _ in range(4):
+        s.started("app", 0.0)
+    run = {"app": 4, "bulk": 6}
+    assert s.target_scale("bulk", run, set(), w, 0.0) == 1.0          # nobody waited
+    s.waited("app", 0.0)
+    assert abs(s.target_scale("bulk", run, set(), w, 1.0) - 0.2 / 0.6) < 1e-9
+    assert s.target_scale("app", run, set(), w, 1.0) == 1.0           # app is below its share
+    assert s.target_scale("bulk", run, set(), w, 6.0) == 1.0          # app's wait is 6 s old
+    assert s.target_scale("bulk", {"bulk": 6}, set(), w, 1.0) == 1.0  # alone
+
+
+def test_stream_room_is_the_judges_own_tpot_rule():
+    p = A.Policy(mode="slo", tpot_slo_s=0.08, tpot_target=0.9)
+    r = A.Rates(0.1, 1e-4, tpot_b=0.02, tpot_k=0.0005, tpot_sd=0.002)
+    n = A.stream_room(r, p, 1 << 30)
+    target = p.tpot_target * p.tpot_slo_s
+    assert r.tpot(n) + r.tpot_sd <= target < r.tpot(n + 1) + r.tpot_sd
+    assert n in (99, 100)
+    assert A.stream_room(r, p, 64) == 64
+    assert A.stream_room(r, A.Policy(mode="queue", max_streams=8), 64) == 8

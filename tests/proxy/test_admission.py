@@ -130,7 +130,8 @@ async def test_reload_switches_the_mode_and_lets_the_waiting_start(spawn, proxy_
 async def test_a_batch_key_waits_behind_every_interactive_one(spawn, proxy_factory):
     """Named keys on, two streams per worker at most: a batch key's flood fills the worker and the queue (asking
     ``priority: -5`` does not lift it above its class); an interactive key's request that comes later starts
-    before every batch request still waiting (the queue orders by class, then deadline: guard.queue_priority)."""
+    before every batch request still waiting (the batch key runs its streams, the interactive key none: the fair
+    order, admit.WaitQueue, then class: guard.queue_priority)."""
     from appliance.keys import table as T
     tbl = T.KeyTable((), "keys.toml")
     tbl, app = T.added(tbl, "app")
