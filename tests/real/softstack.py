@@ -75,10 +75,14 @@ class SoftStack:
             argv += ["--" + k.replace("_", "-"), str(v)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
         env["PYTHONPATH"] = str(REPO)
-        proc = self.stack.spawn("proxy", argv, env, f"http://127.0.0.1:{public}", inherit_env=False, socks=socks)
+        tls = "tls_cert_file" in thresholds      # the public port speaks TLS: readiness from the side door
+        proc = self.stack.spawn("proxy", argv, env, f"http://127.0.0.1:{internal if tls else public}",
+                                inherit_env=False, socks=socks)
+        forwarded, urls = self.stack.sink.forward_to, (self.proxy_url, self.internal_url)
         try:
             self.stack.wait_http([proc], "/ready", 60)
-            self.proxy_url, self.internal_url = proc.url, f"http://127.0.0.1:{internal}"
+            self.proxy_url = f"https://localhost:{public}" if tls else proc.url
+            self.internal_url = f"http://127.0.0.1:{internal}"
             # the proxy warms each worker's LMCache heartbeat once it is admitted (proxy/warmup.py): a store and a
             # retrieve of its own, which the tests' chunk and hit counts must not see (a CI run counted 13 writes
             # where its one request makes 3)
@@ -88,7 +92,8 @@ class SoftStack:
             self.stack.sink.forward_to = self.internal_url
             yield proc
         finally:
-            self.stack.sink.forward_to = None
+            self.stack.sink.forward_to = forwarded         # a proxy started beside another hands the events back
+            self.proxy_url, self.internal_url = urls
             self.stack.stop_one(proc)
 
 

@@ -273,3 +273,32 @@ def test_the_proxy_counted_what_clients_asked_for(px, http):
     assert st["features"]["tools"] >= 3 and st["features"]["structured_output"] >= 2
     assert st["features"]["previous_response_id"] >= 2 and st["responses"]["homes"] >= 4
     assert not any(k.endswith(":upstream_error") or k.endswith(":stream_error") for k in st["requests"]), st
+
+
+def test_streaming_chat_over_tls_end_to_end_to_the_real_engines(surface, px, clients, tmp_path_factory):
+    """A second proxy with TLS on its public port (certificates made here by a test CA) in front of the same real
+    engines: the official ``openai`` client trusting the CA streams a chat answer identical (temperature 0) to the
+    one a worker gives straight; a client without the CA is refused at the handshake; the port speaks no plain
+    HTTP. (Last in the module: it takes the workers' KV events while it runs, and hands them back.)"""
+    import ssl
+
+    from tests.tlscerts import CA
+    ca = CA(tmp_path_factory.mktemp("tls") / "ca")
+    server = ca.issue("server")
+    ask = [{"role": "user", "content": "tell me about the sea over a secure line"}]
+    _, straight = clients
+    want = straight.chat.completions.create(model=px.model, messages=ask, max_tokens=12, temperature=0)
+    with surface.proxy(tls_cert_file=server.cert, tls_key_file=server.key):
+        url = surface.proxy_url
+        assert url.startswith("https://")
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(ca.pem)), timeout=120) as http:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, http_client=http)
+            stream = client.chat.completions.create(model=px.model, messages=ask, max_tokens=12, temperature=0,
+                                                    stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == want.choices[0].message.content, (text, want.choices[0].message.content)
+        with httpx.Client(timeout=10) as bare:                      # the system's CAs: not ours
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED|certificate verify"):
+                bare.get(url + "/v1/models")
+            with pytest.raises(httpx.HTTPError):
+                bare.get(url.replace("https://", "http://") + "/health")
