@@ -16,7 +16,6 @@ Fair shares: every started request counts as one stream of its tenant (its named
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -156,24 +155,18 @@ class Gate:
                    if b.spec.role in ("decode", "both") and b.breaker.allows())
 
     def _within_share(self, v: A.Verdict, ask: A.Ask, rt, now: float) -> A.Verdict:
-        """An admission the shares hold back becomes a wait (``R_SHARE``): the chosen worker must keep room for the
-        streams other tenants are owed (admit.Shares.owed), spread over the decoding workers."""
+        """An admission the shares hold back becomes a wait (``R_SHARE``): the box must keep free, beside this
+        stream, the streams other tenants are owed (admit.Shares.owed), counted over every decoding worker (the
+        owed ones go wherever ``decide()`` sends them)."""
         if v.action != A.ADMIT or v.reason == A.R_IDLE or len(self.running) + len(self.queue.tenants()) < 2:
             return v
+        decoders = [b for b in self.s.backends if b.spec.role in ("decode", "both") and b.breaker.allows()]
         self.shares.capacity = self.capacity()
         owed = self.shares.owed(ask.tenant, self.running, self.queue.tenants(), self.weights, now)
         if owed <= 0:
             return v
-        decoders = sum(1 for b in self.s.backends if b.spec.role in ("decode", "both") and b.breaker.allows())
-        extra = math.ceil(owed / max(1, decoders))
-        cap = self.s.cfg.max_num_seqs or (1 << 30)
-        d = self.view(rt.decode, cap)
-        dec = replace(d, streams=d.streams + extra)
-        pre = self.view(rt.prefill, cap) if rt.prefill is not None else None
-        q = A.QueueView(0, len(self.queue), self.drain.rate(now), False)
-        again = A.judge(now, replace(ask, uncached=rt.uncached), pre, dec, q,
-                        replace(self.policy, target=1.0) if self.policy.mode == "slo" else self.policy)
-        if again.action == A.ADMIT:
+        free = self.shares.capacity - sum(b.inflight + b.reserved_streams for b in decoders)
+        if free - 1 >= owed:
             return v
         return A.Verdict(A.QUEUE, A.R_SHARE, v.ttft_s)
 
