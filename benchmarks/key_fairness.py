@@ -132,7 +132,9 @@ def figures(results: list, seconds: float) -> dict:
                                                                    (r.output_tokens - 1) <= SLO_TPOT_MS)),
             "tokens": sum(r.prompt_tokens + r.output_tokens for r in ok),
             "tokens_per_min": sum(r.prompt_tokens + r.output_tokens for r in ok) * 60.0 / max(seconds, 1e-9),
-            "max_60s_window_tokens": max_window([(r.end, r.prompt_tokens + r.output_tokens) for r in ok])}
+            "max_60s_window_tokens": max_window([(r.end, r.prompt_tokens + r.output_tokens) for r in ok]),
+            # when the refused ones were sent (s from the caller's first request): where in the run they fall
+            "refused_sent_s": [round(r.sent, 1) for r in results if r.refused]}
 
 
 def limit_problems(results: list, tpm: int, reserve: int) -> list:
@@ -265,6 +267,10 @@ def main() -> int:
         out[label] = {"A": fa, "B": fb}
         print(row(f"{label}, A", fa))
         print(row(f"{label}, B", fb))
+    for label, _, _ in runs:
+        when = out[label]["A"]["refused_sent_s"]
+        if when:
+            print(f"\n{label}: A's refused requests were sent at (s from A's first): {when}")
     for label, _, _ in runs:
         print(f"\n{label}: admission (the proxy's counts; p0 interactive, p1 batch): "
               + ", ".join(f"{n} {c}" for n, c in out[f"verdicts {label}"].items()))
