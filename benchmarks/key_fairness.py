@@ -53,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from appliance.bench.loadgen import RequestResult, retry_after_valid, run_rate  # noqa: E402
+from appliance.bench.loadgen import retry_after_valid, run_rate  # noqa: E402
 from appliance.bench.workload import PromptFactory, load_profile  # noqa: E402
 from appliance.keys import table as T  # noqa: E402
 from appliance.percentiles import percentile  # noqa: E402
@@ -68,11 +68,6 @@ WINDOW_S = 60.0
 
 def log(msg: str) -> None:
     print(f"[key-fairness] {msg}", file=sys.stderr, flush=True)
-
-
-def status(stack: Stack) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{stack.plan.proxy.internal_port}/pdctl/status", timeout=10) as r:
-        return json.loads(r.read())
 
 
 def verdicts(stack: Stack) -> dict:
@@ -97,12 +92,8 @@ def verdict_delta(before: dict, after: dict) -> dict:
 
 
 def drain(stack: Stack, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if status(stack).get("inflight", 0) == 0:
-            return
-        time.sleep(0.5)
-    log(f"the stack still had requests in flight after {timeout:g} s")
+    if not stack.drain(timeout):
+        log(f"the stack still had requests in flight after {timeout:g} s")
 
 
 def max_window(events: list, window: float = WINDOW_S) -> int:
@@ -178,7 +169,8 @@ def row(label: str, f: dict) -> str:
     def s(x, unit=""):
         return "-" if x is None else f"{x:.3f}{unit}"
     return (f"| {label} | {f['sent']} | {f['ok']} | {f['refused']} | {f['limited']} | {f['failed']} | {f['good']} | "
-            f"{s(f['ttft_p50_s'])} | {s(f['ttft_p95_s'])} | {'-' if f['tpot_p50_ms'] is None else round(f['tpot_p50_ms'], 1)} | "
+            f"{s(f['ttft_p50_s'])} | {s(f['ttft_p95_s'])} | "
+            f"{'-' if f['tpot_p50_ms'] is None else round(f['tpot_p50_ms'], 1)} | "
             f"{f['tokens_per_min']:,.0f} | {f['max_60s_window_tokens']:,} |")
 
 
@@ -242,14 +234,14 @@ def main() -> int:
             if n:
                 time.sleep(args.pause)       # the last phase's asking rates fade (10 s half-life)
             log(f"{label}: {args.seconds:g} s")
-            before = status(stack).get("keys", {}).get(bname, {}).get("tokens", 0)
+            before = stack.proxy_status().get("keys", {}).get(bname, {}).get("tokens", 0)
             v0 = verdicts(stack)
             a, b = asyncio.run(phase(stack, model, factory, f"p{n}", (ra, rb), (na, nb), (ka, kb), prof.output_len,
                                      args.seed, args.b_delay))
-            st = status(stack)
+            st = stack.proxy_status()
             drain(stack)
             out[f"verdicts {label}"] = verdict_delta(v0, verdicts(stack))
-            out[f"proxy tokens {label}"] = status(stack).get("keys", {}).get(bname, {}).get("tokens", 0) - before
+            out[f"proxy tokens {label}"] = stack.proxy_status().get("keys", {}).get(bname, {}).get("tokens", 0) - before
             out[f"stream room {label}"] = st.get("admission", {}).get("stream_room")
             out[f"tenants {label}"] = st.get("admission", {}).get("tenants")
             runs.append((label, a, b))

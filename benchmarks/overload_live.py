@@ -40,13 +40,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +88,7 @@ def log(msg: str) -> None:
 
 
 def proxy_status(stack) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{stack.plan.proxy.internal_port}/pdctl/status", timeout=10) as r:
-        return json.loads(r.read())
+    return stack.proxy_status()
 
 
 def admission_delta(before: dict, after: dict) -> dict:
@@ -105,12 +102,8 @@ def admission_delta(before: dict, after: dict) -> dict:
 
 def drain(stack, timeout: float = 120.0) -> None:
     """Until the proxy has nothing in flight (the last streams of a run finish), bounded."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proxy_status(stack).get("inflight", 0) == 0:
-            return
-        time.sleep(0.5)
-    log(f"the stack still had requests in flight after {timeout:g} s")
+    if not stack.drain(timeout):
+        log(f"the stack still had requests in flight after {timeout:g} s")
 
 
 def predict(plan, model: str, rate: float, n: int, seed: int) -> dict:

@@ -29,7 +29,7 @@ import tomli_w
 
 CLASSES = ("interactive", "batch")      # interactive first: under overload a batch key yields (admission)
 # each class's weight in the box's capacity under overload: an interactive key is entitled to 4 streams for
-# every one of a batch key while both ask (admit.WaitQueue); the queue also orders a batch key's requests behind
+# every one of a batch key while both ask (sharing.WaitQueue); the queue also orders a batch key's requests behind
 # every interactive one of the same standing (guard.queue_priority)
 CLASS_WEIGHTS = {"interactive": 4.0, "batch": 1.0}
 SCOPES = ("api", "metrics")             # metrics: GET /metrics only (a scrape key that cannot generate)

@@ -11,7 +11,7 @@ starts more than the workers can take. A client that leaves while waiting leaves
 
 Fair shares: every started request counts as one stream of its tenant (its named key) until it ends
 (``Ticket.close``); the queue lets the tenant with the fewest streams for its weight go first
-(``admit.WaitQueue``), so a batch key at 5x its share waits behind an interactive key within its share.
+(``sharing.WaitQueue``), so a batch key at 5x its share waits behind an interactive key within its share.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from ..policy import admit as A
+from ..policy import sharing as S
 from .errors import ProxyError
 
 
@@ -75,7 +76,7 @@ class Gate:
         self.s = server
         self.policy = policy
         self.prior = prior
-        self.queue = A.WaitQueue()
+        self.queue = S.WaitQueue()
         self.drain = A.DrainMeter()
         self.starts = A.DrainMeter()    # every start, at arrival or from the queue (the room that appears)
         self.rates: dict = {}          # backend label -> WorkerRates
@@ -83,7 +84,7 @@ class Gate:
         self._poke_pending = False
         self.running: Counter = Counter()     # tenant -> requests started and not ended
         self.weights: dict = {}               # tenant -> its weight in the share (the last request's)
-        self.shares = A.Shares()              # what a full box owes each tenant (admit.Shares)
+        self.shares = S.Shares()              # what a full box owes each tenant (sharing.Shares)
 
     # ----- configuration --------------------------------------------------------------------------
     @property
@@ -111,7 +112,7 @@ class Gate:
     # ----- the step ---------------------------------------------------------------------------------
     def _judge(self, now: float, ask: A.Ask, rt, ahead: int, arriving: bool = True) -> A.Verdict:
         """``judge`` on the chosen workers; a tenant past its share of the starts while another waits is judged
-        against its scaled TTFT target (admit.Shares.target_scale); a wait is noted for the shares."""
+        against its scaled TTFT target (sharing.Shares.target_scale); a wait is noted for the shares."""
         pol = self.policy
         if len(self.running) + len(self.queue.tenants()) >= 2 and pol.mode == "slo":
             scale = self.shares.target_scale(ask.tenant, self.running, self.queue.tenants(), self.weights, now)
@@ -149,14 +150,15 @@ class Gate:
         self.poke()
 
     def capacity(self) -> int:
-        """Streams the decoding workers take within the TPOT target now (admit.stream_room on their learnt rates)."""
+        """Streams the decoding workers take within the TPOT target now (sharing.stream_room on their learnt
+        rates)."""
         cap = self.s.cfg.max_num_seqs or (1 << 30)
-        return sum(A.stream_room(self.worker_rates(b).rates(), self.policy, cap) for b in self.s.backends
+        return sum(S.stream_room(self.worker_rates(b).rates(), self.policy, cap) for b in self.s.backends
                    if b.spec.role in ("decode", "both") and b.breaker.allows())
 
     def _within_share(self, v: A.Verdict, ask: A.Ask, rt, now: float) -> A.Verdict:
         """An admission the shares hold back becomes a wait (``R_SHARE``): the box must keep free, beside this
-        stream, the streams other tenants are owed (admit.Shares.owed), counted over every decoding worker (the
+        stream, the streams other tenants are owed (sharing.Shares.owed), counted over every decoding worker (the
         owed ones go wherever ``decide()`` sends them)."""
         if v.action != A.ADMIT or v.reason == A.R_IDLE or len(self.running) + len(self.queue.tenants()) < 2:
             return v

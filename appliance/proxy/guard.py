@@ -109,7 +109,7 @@ def queue_priority(request, asked: int) -> int:
 
 
 def tenant(request) -> tuple[str, float]:
-    """Who shares the box's capacity under overload, and with what weight (admit.WaitQueue): the request's key
+    """Who shares the box's capacity under overload, and with what weight (sharing.WaitQueue): the request's key
     and its class's weight; every request without a key is one tenant ("")."""
     who = getattr(request, "caller", None)
     if who is None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,22 @@ class Stack:
             if "did not answer" in str(e):
                 raise RuntimeError(f"{what} not ready within {timeout:.0f} s ({url})") from None
             raise
+
+    def proxy_status(self, timeout: float = 10.0) -> dict:
+        """The proxy's /pdctl/status from its loopback side door (no key needed)."""
+        url = f"{C.loopback_url(self.plan.proxy.internal_port)}/pdctl/status"
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def drain(self, timeout: float = 120.0) -> bool:
+        """Until the proxy has nothing in flight (a run's last streams end), at most ``timeout`` seconds; False
+        when requests were still in flight then."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proxy_status().get("inflight", 0) == 0:
+                return True
+            time.sleep(0.5)
+        return False
 
     def tail(self, name: str, lines: int = 20) -> str:
         try:

@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 from appliance.constants import LMCACHE_CHUNK_TOKENS
 
 from ..policy import admit as A
+from ..policy.sharing import WaitQueue
 from ..policy.decide import AGGREGATE, R_STATIC, SPLIT, Thresholds, WorkerLoad, decide
 from . import kvpath
 from .core import EngineCore, HostLink, Seq
@@ -153,7 +154,7 @@ class SimStack:
         self.decisions: dict = {}
         adm = policy.admission
         self.adm = adm if adm is not None and adm.mode != "off" and policy.name == "adaptive" else None
-        self.queue = A.WaitQueue()
+        self.queue = WaitQueue()
         self.drain = A.DrainMeter()
         self.admissions: dict = {}
         self.max_queue = 0

@@ -136,3 +136,11 @@ def test_no_plan_exits_1_with_the_fix(tmp_path):
     assert "plan" in r.stdout and "FAIL" in r.stdout and "install first" in r.stdout.replace("\n", " ")
     doc = json.loads(doctor(tmp_path / "pdctl.toml", "--json").stdout)
     assert doc["exit"] == 1 and doc["checks"][0]["name"] == "plan" and doc["plan"] is None
+
+
+def test_the_stack_reads_its_proxys_status_and_drains(healthy):
+    """``Stack.proxy_status`` / ``Stack.drain`` (the benchmarks' helpers): the side door's status, and an idle
+    proxy drains at once."""
+    st = healthy.proxy_status()
+    assert st["inflight"] == 0 and "admission" in st
+    assert healthy.drain(timeout=30.0) is True

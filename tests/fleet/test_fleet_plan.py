@@ -114,3 +114,16 @@ def test_json_roundtrip_and_bad_file_shape():
 def test_make_fleet_plan_rejects(kwargs, needle):
     with pytest.raises(FleetError, match=needle):
         make_fleet_plan(**kwargs)
+
+
+@pytest.mark.parametrize("content", [None, "not a certificate\n"])
+def test_fleet_status_names_a_ca_file_it_cannot_use(tmp_path, capsys, content):
+    """``pdctl fleet status --ca-file``: a missing or non-PEM file is refused before any box is asked, naming the
+    flag, the file and the fix."""
+    from appliance.cli import main
+    ca = tmp_path / "ca.pem"
+    if content is not None:
+        ca.write_text(content)
+    rc = main(["fleet", "status", "--node", "https://127.0.0.1:1", "--ca-file", str(ca)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--ca-file {ca}" in err and "cannot load it as PEM CA certificates" in err, err

@@ -131,7 +131,7 @@ async def test_a_batch_key_waits_behind_every_interactive_one(spawn, proxy_facto
     """Named keys on, two streams per worker at most: a batch key's flood fills the worker and the queue (asking
     ``priority: -5`` does not lift it above its class); an interactive key's request that comes later starts
     before every batch request still waiting (the batch key runs its streams, the interactive key none: the fair
-    order, admit.WaitQueue, then class: guard.queue_priority)."""
+    order, sharing.WaitQueue, then class: guard.queue_priority)."""
     from appliance.keys import table as T
     tbl = T.KeyTable((), "keys.toml")
     tbl, app = T.added(tbl, "app")
@@ -164,7 +164,7 @@ async def test_a_batch_key_waits_behind_every_interactive_one(spawn, proxy_facto
 async def test_keys_share_the_streams_by_class_weight_and_a_refusal_costs_no_quota(spawn, proxy_factory):
     """Five streams, a batch key flooding, then an interactive key asking for many at once: while both wait, each
     start goes to the key that would run the fewest streams for its weight (interactive 4, batch 1), so the
-    interactive key rises to 4 of the 5 and the batch key keeps 1, never more (appliance/policy/admit.WaitQueue).
+    interactive key rises to 4 of the 5 and the batch key keeps 1, never more (appliance/policy/sharing.WaitQueue).
     The batch key's requests the box refused (queue full) cost its token quota nothing."""
     from appliance.keys import table as T
     tbl = T.KeyTable((), "keys.toml")

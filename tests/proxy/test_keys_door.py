@@ -254,6 +254,8 @@ async def test_pdctl_bench_sends_a_key_and_counts_its_limit_apart_from_failures(
     (tmp_path / "empty").write_text("")
     rc, _, errs = await bench("--api-key-file", str(tmp_path / "empty"))
     assert rc == 2 and "is empty" in errs, errs
+    rc, _, errs = await bench("--api-key-file", str(tmp_path / "missing"))
+    assert rc == 2 and "cannot read it" in errs, errs
 
 
 async def test_a_keys_tokens_are_the_engines_own_counts_where_the_answer_says_them(door):

@@ -188,10 +188,10 @@ async def test_fleet_status_reads_an_https_box_with_its_ca_and_refuses_without(f
     from appliance.wire.fetch import client_context, fetch
     px = await proxy_factory(tls_cfg(fresh, ca.issue("server"), public_status=True, api_key="sk-fleet-status"))
     node = parse_node(f"box=https://localhost:{px.server.public_port}")
-    r = await fetch(node.url + "/health", tls=client_context(str(ca.pem)), timeout_s=5)
+    r = await fetch(node.url + "/health", tls=client_context(str(ca.pem)), timeout_s=30)
     assert r.status == 200, r.error
-    seen = await asyncio.to_thread(box_view, node, "sk-fleet-status", 5.0, client_context(str(ca.pem)))
+    seen = await asyncio.to_thread(box_view, node, "sk-fleet-status", 30.0, client_context(str(ca.pem)))
     assert seen.health == "ok" and seen.ready.split(":")[0] in ("ready", "not ready"), seen   # answered
     assert not seen.detail and seen.inflight is not None, seen     # its /pdctl/status read and understood
-    blind = await asyncio.to_thread(box_view, node, "sk-fleet-status", 5.0)
+    blind = await asyncio.to_thread(box_view, node, "sk-fleet-status", 30.0)
     assert blind.health.startswith("down") and "CERTIFICATE_VERIFY_FAILED" in blind.health, blind
