@@ -109,7 +109,7 @@ class Stack:
 
     def proxy_status(self, timeout: float = 10.0) -> dict:
         """The proxy's /pdctl/status from its loopback side door (no key needed)."""
-        url = f"{C.loopback_url(self.plan.proxy.internal_port)}/pdctl/status"
+        url = C.loopback_url(self.plan.proxy.internal_port) + C.BOX_STATUS_PATH
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return json.loads(r.read())
 
