@@ -132,6 +132,10 @@ PROXY_QUEUE_WAIT = "pdctl_proxy_queue_wait_seconds"     # histogram: time spent 
 PROXY_GOOD = "pdctl_proxy_good_requests"                # counter: streamed answers within both SLOs (goodput)
 PROXY_KEY_REQUESTS = "pdctl_proxy_key_requests"         # counter {key,route,outcome}: named keys on (keys/audit.py)
 PROXY_KEY_TOKENS = "pdctl_proxy_key_tokens"             # counter {key,kind}: prompt | completion tokens by key
+PROXY_ROLLOUT = "pdctl_proxy_rollout_events"            # counter {event}: drained | migrated | undrained | canary_failed
+PROXY_DRAINED = "pdctl_proxy_backend_drained"           # gauge {backend}: 1 while a rollout holds it out of rotation
+PROXY_DRAIN_PATH = "/pdctl/workers/drain"  # internal port, POST: take a worker out of rotation / put it back (rollout)
+PROXY_CONTROL_TOKEN = RUN_DIR / "proxy-control.token"   # the proxy's control secret, 0600 (root and the proxy read it)
 
 # --- fleet: several boxes behind vllm-router (PyPI vllm-router, Rust) --------------------------------
 ROUTER_UNIT = "pd-router.service"

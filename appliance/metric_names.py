@@ -74,6 +74,8 @@ PROXY: dict[str, tuple[MetricName, ...]] = {
     "good": (MetricName(C.PROXY_GOOD, ""),),
     "key_requests": (MetricName(C.PROXY_KEY_REQUESTS, ""),),
     "key_tokens": (MetricName(C.PROXY_KEY_TOKENS, ""),),
+    "rollout": (MetricName(C.PROXY_ROLLOUT, ""),),
+    "drained": (MetricName(C.PROXY_DRAINED, ""),),
     "start_time": (MetricName("process_start_time_seconds", ""),),
 }
 

@@ -244,7 +244,8 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
         ggpus = [inv.gpu(x) for x in grp]
         cpus = tuple(ggpus[0].cpu_affinity) if isinstance(ggpus[0].cpu_affinity, list) else ()
         if ov.engine == "twin":
-            argv = worker_argv.twin_argv(role, port, model, served, ov, hw, grp[0], ov.kv_zmq_port, ov.kv_http_port)
+            argv = worker_argv.twin_argv(role, port, tp, model, served, work, ov, hw, grp[0], ov.kv_zmq_port,
+                                         ov.kv_http_port)
         else:
             argv = worker_argv.vllm_argv(role, port, tp, model, served, work, ov, version, ov.kv_zmq_port)
         env = worker_argv.worker_env(role, ggpus, ov, version, proxy, cpus, model, telemetry=_telemetry(role, n))

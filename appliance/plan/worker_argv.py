@@ -87,15 +87,22 @@ def twin_hw(gpus: list[GPU], ov: Overrides) -> str:
     return "h200"
 
 
-def twin_argv(role: str, port: int, model: ModelProfile, served: str, ov: Overrides, hw: str,
-               gpu_index: int | None, kv_port: int, kv_http: int) -> tuple:
+def twin_argv(role: str, port: int, tp: int, model: ModelProfile, served: str, work: Workload, ov: Overrides,
+              hw: str, gpu_index: int | None, kv_port: int, kv_http: int) -> tuple:
+    """The twin engine with every plan knob its cost model has a meaning for (the same values as vllm_argv), so
+    a simulated box runs as configured and a settings change restarts its workers as on GPUs."""
     argv = [bin_path(ov.venv, "pdctl"), "twin", "engine", "--role", role, "--host", C.LOOPBACK, "--port", str(port),
             "--hardware", hw, "--model", model.name, "--served-model-name", served,
-            "--kv", C.loopback_zmq(kv_port), "--kv-http", C.loopback_url(kv_http)]
+            "--kv", C.loopback_zmq(kv_port), "--kv-http", C.loopback_url(kv_http),
+            "--tp", str(tp), "--gpu-memory-utilization", f"{ov.gpu_memory_utilization:.2f}",
+            "--max-model-len", str(min(work.max_model_len, model.max_context)), "--block-size", str(ov.block_size),
+            "--max-num-seqs", str(ov.max_num_seqs), "--max-num-batched-tokens", str(ov.max_num_batched_tokens)]
     if gpu_index is not None:
         argv += ["--gpu-index", str(gpu_index), "--state-file", f"{ov.run_dir}/twin/gpu-{gpu_index}.json"]
     if ov.twin_time_scale != 1.0:
         argv += ["--time-scale", f"{ov.twin_time_scale:g}"]
+    if ov.twin_load_s > 0:
+        argv += ["--load-s", f"{ov.twin_load_s:g}"]
     return tuple(argv)
 
 

@@ -20,7 +20,7 @@ from ..keys.audit import RequestEntry, Trail
 from ..keys.quota import Quota
 from ..wire.server import Response, Server
 from ..wire.tasks import cancel_and_wait
-from . import guard, lifecycle, routes, warmup
+from . import control, guard, lifecycle, routes, warmup
 from . import stored_responses as SR
 from .admission import Gate
 from .answers import client_request_id, error_body, error_response
@@ -65,6 +65,7 @@ class ProxyServer:
         self._canary_long = True     # see canary_once
         self._servers: list = []     # the public listener first, then the internal one
         self.tls_end = ""            # the TLS certificate's end, read with its context (lifecycle.tls_end)
+        self.control_token = ""      # the secret a rollout shows to drain a worker (control.py)
         self._tasks: list = []
         self.sockets: dict = {}      # listening sockets handed over by systemd (lifecycle.adopt), by listener
         self.public_port = cfg.port
@@ -103,6 +104,7 @@ class ProxyServer:
         loop = asyncio.get_running_loop()
         ctx = lifecycle.tls_context(self.cfg)      # a TlsError (named file) before anything has started
         self.tls_end = lifecycle.tls_end(self.cfg) if ctx is not None else ""
+        self.control_token = control.write_token(self.cfg.control_token_file)
         self.watcher.start()
         self._tasks.append(loop.create_task(canary_loop(self)))
         self._tasks.append(loop.create_task(stall_loop(self)))

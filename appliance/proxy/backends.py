@@ -100,6 +100,7 @@ class Backend:
         return {"name": self.label, "url": self.url, "role": self.spec.role, "state": b.state,
                 "consecutive_failures": b.consecutive_failures, "last_error": b.last_error,
                 "opened_by": b.opened_by, "transitions": b.transitions, "inflight": self.inflight,
+                "drained": b.drained,
                 "requests": self.requests, "failures": self.failures, "running": self.running,
                 "waiting": self.waiting, "kv_usage": self.kv_usage,
                 "external_prefix_queries": self.ext_queries, "external_prefix_hits": self.ext_hits,

@@ -1,4 +1,5 @@
 """Per-backend circuit breaker: closed -> open after N consecutive failures -> half-open after a cool-down.
+A drained backend (a rollout holds it out, control.py) allows nothing whatever its state.
 
 Fed by fast health probes and by request outcomes. Half-open lets one trial through (a probe or a
 request); its success closes the breaker, its failure opens it again. Times come from the caller's
@@ -24,6 +25,7 @@ class Breaker:
     last_error: str = ""
     transitions: int = 0
     opened_by: str = ""       # "probe" | "request": what the next success must come from
+    drained: str = ""         # why an operator's rollout holds it out of rotation ("" = not held; control.py)
     history: list = field(default_factory=list)   # (monotonic time, new state, reason), last 20
 
     def _go(self, state: str, reason: str, now: float) -> None:
@@ -44,6 +46,8 @@ class Breaker:
         """May a request go to this backend now? (does not claim the half-open trial)"""
         now = time.monotonic() if now is None else now
         self._tick(now)
+        if self.drained:
+            return False
         return self.state == CLOSED or (self.state == HALF_OPEN and not self.trial_in_flight)
 
     def claim(self, now: float | None = None) -> bool:

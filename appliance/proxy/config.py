@@ -62,6 +62,8 @@ class ProxyConfig:
     admission: A.Policy = A.Policy()         # admission by the SLO ([admission] + the [workload] SLOs; admit.py)
     admission_prior: A.Prior = A.Prior()     # where each worker's learnt rates start (the plan's, from the twin)
     max_num_seqs: int = 0                    # the engines' --max-num-seqs (0 = unknown): streams per worker at most
+    control_token_file: str = ""             # where the proxy writes its control secret (control.py; "" = no
+    #                                          drain control: a standalone proxy)
     # + one field per PROXY_TUNING key (schema_fields): on_prefill_failure ("decode": served whole, counted;
     # "fail": 503), stream migration and hung workers (migrate.py, stall.py), drain and watchdog under systemd,
     # and the public listener's limits ([listener] in pdctl.toml)
@@ -105,7 +107,7 @@ def from_plan(plan, **overrides) -> ProxyConfig:
               thresholds=Thresholds(p.aggregate_max_uncached, p.split_max_prefill_backlog, p.split_idle_max_running,
                                     p.consumer_max_uncached),
               public_status=getattr(p, "public_status", False), kv_url=plan.kv_server.http_url,
-              token_ids=_token_ids(plan), **admission_from_plan(p),
+              token_ids=_token_ids(plan), control_token_file=str(C.PROXY_CONTROL_TOKEN), **admission_from_plan(p),
               **{k: getattr(p, k) for keys in PROXY_TUNING.values() for k in keys})
     kw.update(overrides)
     return ProxyConfig(**kw)

@@ -56,6 +56,11 @@ class ProxyMetrics:
                                     registry=r)
         self.key_tokens = Counter(C.PROXY_KEY_TOKENS, "Tokens by named key: prompt, completion", ["key", "kind"],
                                   registry=r)
+        self.rollout = Counter(C.PROXY_ROLLOUT, "Rollout steps (pdctl apply / upgrade): drained (a worker taken out "
+                               "of rotation), migrated (its streams moved at the drain time-out), undrained (back "
+                               "after its canary), canary_failed", ["event"], registry=r)
+        self.drained = Gauge(C.PROXY_DRAINED, "1 while a rollout holds the backend out of rotation", ["backend"],
+                             registry=r)
         self._req_children: dict = {}
         self.ttft_path = {p: self.ttft.labels(p) for p in ("pd", "decode_only")}
         self.e2e_path = {p: self.e2e.labels(p) for p in ("pd", "decode_only")}
@@ -78,6 +83,7 @@ class ProxyMetrics:
     def set_backend_states(self, backends) -> None:
         for b in backends:
             self.backend_state.labels(b.label, b.spec.role).set(STATE_VALUE.get(b.breaker.state, 1))
+            self.drained.labels(b.label).set(1 if b.breaker.drained else 0)
             for leg, n in b.legs_inflight.items():
                 self.legs_inflight.labels(b.label, leg).set(n)
 

@@ -2,7 +2,7 @@
 
 Public port (:9000, faces the network): the OpenAI routes (orchestrate.py for generations, tokenize_routes.py,
 utility_routes.py for the engines' other routes), /health, /ready, /metrics. Internal port (loopback only):
-LMCache's request telemetry, /pdctl/status, /health, /metrics. ``s`` is the ProxyServer.
+LMCache's request telemetry, /pdctl/status, /health, /metrics, the rollout's drain (control.py). ``s`` is the ProxyServer.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from functools import partial
 
 from .. import constants as C
 from ..wire.server import Response
-from . import orchestrate, render, responses as RS, tokenize_routes, utility_routes
+from . import control, orchestrate, render, responses as RS, tokenize_routes, utility_routes
 from .answers import error_response, json_response
 from .errors import NOT_FOUND, UNAUTHORIZED, ProxyError, bad_request, unavailable
 from .validate import CHAT, COMPLETIONS, RESPONSES
@@ -62,7 +62,7 @@ def internal(s) -> dict:
     """(method, path) -> handler(request) of the loopback-only port."""
     return {("POST", C.TELEMETRY_PATH): partial(telemetry, s), ("GET", C.BOX_STATUS_PATH): partial(status, s),
             ("GET", "/health"): partial(health, s), ("GET", "/ready"): partial(ready, s),
-            ("GET", "/metrics"): partial(metrics, s)}
+            ("GET", "/metrics"): partial(metrics, s), ("POST", C.PROXY_DRAIN_PATH): partial(control.drain, s)}
 
 
 async def health(s, request):

@@ -202,6 +202,22 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "worker_reap_timeout_s": Key(float, 120.0, "lmcache server --worker-reap-timeout-seconds: a worker silent "
                                                    "this long is unregistered (0 = never; else >= 30)", "reap"),
     },
+    "rollout": {
+        "batch": Key(int, 1, "pdctl apply / upgrade: workers restarted at once (never all unless --all-at-once): "
+                             "each is drained, restarted, checked by a canary request and put back before the next",
+                     "pos"),
+        "drain_timeout_s": Key(float, 60.0, "a drained worker's streams may finish for this long; the rest then "
+                                            "move to another worker (stream migration) before it restarts", "posf"),
+        "ready_timeout_s": Key(float, 900.0, "a restarted worker must be healthy and answer its canary within this, "
+                                             "else the rollout stops and shows its journal (a GPU engine loads for "
+                                             "minutes)", "posf"),
+        "capacity_wait_s": Key(float, 120.0, "before a worker goes out: wait up to this for the others to have room "
+                                             "for its streams, then stop (--force goes on)", "nonnegf"),
+    },
+    "twin": {
+        "load_s": Key(float, 0.0, "twin engines (engine = twin): seconds each takes to load before it listens, as a "
+                                  "GPU engine does (weights, CUDA graphs); for rollout drills", "nonnegf"),
+    },
     "tui": {
         "refresh_s": Key(float, 1.0, "collector and TUI refresh interval", "posf"),
     },

@@ -120,6 +120,8 @@ def register(subparsers) -> None:
                    f"{C.TWIN_STATE_DIR}/gpu-N.json)")
     e.add_argument("--max-model-len", type=int, default=_d("workload", "max_model_len"))
     e.add_argument("--block-size", type=int, default=_d("plan", "block_size"))
+    e.add_argument("--load-s", type=float, default=0.0, help="wall seconds the engine takes to load before it "
+                   "listens (a GPU engine takes minutes: weights, CUDA graphs, KV allocation)")
     e.add_argument("--fault", default="none", help="start with a fault: MODE[:ARG] (see appliance.twin.faults)")
     e.add_argument("--setup", choices=sorted(SETUP_NAMES), default="seed",
                    help="cost parameters, as pdctl twin simulate --setup: seed = --enforce-eager + the seed's proxy "
@@ -190,7 +192,7 @@ def cmd_engine(a) -> int:
     opts = EngineOptions(role=a.role, host=a.host, port=a.port, hardware=a.hardware, model=a.model, kv=a.kv,
                          kv_http=a.kv_http, time_scale=a.time_scale, served_model_name=a.served_model_name,
                          gpu_index=a.gpu_index or 0, state_file=state, max_model_len=a.max_model_len,
-                         engine=cfg, fault=a.fault, setup=a.setup)
+                         engine=cfg, fault=a.fault, setup=a.setup, load_s=max(0.0, a.load_s))
     try:
         run(opts)
     except (ValueError, HardwareError, ModelError) as exc:

@@ -60,6 +60,7 @@ class EngineOptions:
     params: Optional[CostParams] = None      # None: CostParams.for_setup(setup, hardware)
     setup: str = "seed"
     fault: str = "none"
+    load_s: float = 0.0                      # wall seconds before it listens (a GPU engine's model load)
 
 
 class _Live:

@@ -197,6 +197,22 @@ class EngineSurface:
         return None
 
 
+async def _load(load_s: float, stop: asyncio.Event) -> bool:
+    """Take ``load_s`` before listening, as a GPU engine loading weights and capturing graphs does (minutes on
+    a GPU: what a rolling restart must wait out); progress on stdout. False: stopped while loading."""
+    steps = 5 if load_s > 0 else 0
+    for i in range(steps):
+        print(f"twin: loading weights {100 * i // steps} % ({load_s:g} s in all)", flush=True)
+        try:
+            await asyncio.wait_for(stop.wait(), load_s / steps)
+            return False
+        except asyncio.TimeoutError:
+            pass
+    if steps:
+        print(f"twin: model loaded after {load_s:g} s", flush=True)
+    return True
+
+
 async def serve(eng: TwinEngine, stop: Optional[asyncio.Event] = None) -> None:
     """Serve ``eng`` until ``stop`` is set (or SIGTERM/SIGINT), then drain for up to DRAIN_S and stop."""
     surface = EngineSurface(eng)
@@ -208,6 +224,8 @@ async def serve(eng: TwinEngine, stop: Optional[asyncio.Event] = None) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     try:
+        if not await _load(eng.opts.load_s, stop):
+            return
         await srv.start(eng.opts.host, eng.opts.port)        # OSError: the port is taken
         await stop.wait()
         await srv.drain(DRAIN_S)

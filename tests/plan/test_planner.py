@@ -246,3 +246,21 @@ def test_kv_both_is_measured_for_the_default_engines_and_flagged_elsewhere():
     assert any("not checked against vLLM 0.33.0" in r for r in plan.reasons)
     plan = make_plan(detect("fake:2xH200"), models.resolve("deepseek-v2-lite"), Workload(), Overrides(both=2))
     assert not any("not checked" in r for r in plan.reasons)
+
+
+def test_twin_workers_take_every_engine_knob_of_the_plan():
+    """A simulated box runs as configured: the plan's engine knobs reach the twin engines (so a change of one
+    changes every worker's argv, and `pdctl apply` restarts them as on GPUs), and [twin] load_s their load."""
+    inv, model = detect("fake:4xH200"), models.resolve("deepseek-v2-lite")
+    ov = Overrides(engine="twin", prefill=1, decode=3, max_num_seqs=96, max_num_batched_tokens=8192,
+                   gpu_memory_utilization=0.8, block_size=32, twin_load_s=20.0)
+    p = make_plan(inv, model, Workload(max_model_len=12000), ov)
+    for w in p.workers:
+        a = list(w.argv)
+        got = {f: a[a.index(f) + 1] for f in ("--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization",
+                                             "--block-size", "--max-model-len", "--tp", "--load-s")}
+        assert got == {"--max-num-seqs": "96", "--max-num-batched-tokens": "8192", "--gpu-memory-utilization": "0.80",
+                       "--block-size": "32", "--max-model-len": "12000", "--tp": str(p.tp), "--load-s": "20"}
+    base = make_plan(inv, model, Workload(), Overrides(engine="twin", prefill=1, decode=3))
+    assert all("--load-s" not in w.argv for w in base.workers)
+    assert all(a.argv != b.argv for a, b in zip(p.workers, base.workers))
