@@ -136,6 +136,7 @@ PROXY_ROLLOUT = "pdctl_proxy_rollout_events"            # counter {event}: drain
 PROXY_DRAINED = "pdctl_proxy_backend_drained"           # gauge {backend}: 1 while a rollout holds it out of rotation
 PROXY_DRAIN_PATH = "/pdctl/workers/drain"  # internal port, POST: take a worker out of rotation / put it back (rollout)
 PROXY_CONTROL_TOKEN = RUN_DIR / "proxy-control.token"   # the proxy's control secret, 0600 (root and the proxy read it)
+ROLLOUT_STATE = RUN_DIR / "rollout.json"   # what a running `pdctl apply` rollout does now (pdctl status, the TUI)
 
 # --- fleet: several boxes behind vllm-router (PyPI vllm-router, Rust) --------------------------------
 ROUTER_UNIT = "pd-router.service"

@@ -26,6 +26,7 @@ from ..settings.config import resolve, to_toml
 from . import preflight as pf
 from .host import ensure_user, existing_groups, info, run_cmd, systemctl
 from .rollout import apply_files
+from .rolling import Rollout
 from .units import render, write_tree
 
 GiB = 1024**3
@@ -158,7 +159,8 @@ def run_install(args: argparse.Namespace) -> int:
         for d in (C.STATE_DIR,):
             d.mkdir(parents=True, exist_ok=True)
             shutil.chown(d, C.SERVICE_USER, C.SERVICE_USER)
-    rc = apply_files(root, files, plan, start=not args.no_start, restart=True, ready_timeout=args.ready_timeout)
+    rc = apply_files(root, files, plan, start=not args.no_start, restart=True, ready_timeout=args.ready_timeout,
+                     rollout=Rollout.from_settings(s.values))
     if rc == EXIT_OK and root == Path("/") and not args.no_start:
         summary(plan)
     return rc
@@ -171,7 +173,9 @@ def run_apply(args: argparse.Namespace) -> int:
     plan = plan_from_settings(s)
     files = render(plan, to_toml(s), venv=s.get("install", "venv"),
                    groups=existing_groups() if root == Path("/") else ("video", "render"))
-    return apply_files(root, files, plan, start=True, restart=not args.no_restart, ready_timeout=900)
+    rollout = None if args.all_at_once else Rollout.from_settings(s.values, force=args.force)
+    return apply_files(root, files, plan, start=True, restart=not args.no_restart, ready_timeout=900,
+                       rollout=rollout)
 
 
 def run_uninstall(args: argparse.Namespace) -> int:
@@ -248,6 +252,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, default=C.CONFIG_PATH)
     p.add_argument("--root", type=Path, default=Path("/"))
     p.add_argument("--no-restart", action="store_true")
+    p.add_argument("--all-at-once", action="store_true", dest="all_at_once",
+                   help="restart every changed worker in one call (the box serves nothing until they are back); "
+                        "default: one [rollout] batch at a time, each drained first")
+    p.add_argument("--force", action="store_true",
+                   help="take a worker out even when the others lack room for its streams after "
+                        "[rollout] capacity_wait_s")
     p.set_defaults(func=run_apply)
 
     p = sub.add_parser("uninstall", help="stop and remove units, user and files (--purge: also config/state)")

@@ -12,6 +12,7 @@ from ..errors import EXIT_OK, CliError
 from ..plan.types import Plan
 from .host import info, journal_tail, systemctl, unit_state, warn
 from .readiness import wait_ready
+from .rolling import Roll, Rollout
 from .units import RenderedFile, affected_units, proxy_reloadable, write_tree
 
 
@@ -50,7 +51,9 @@ def _relevant_units(changed: set, plan: Plan) -> list[str]:
     return sorted(set(out))
 
 
-def apply_files(root: Path, files: dict, plan: Plan, start: bool, restart: bool, ready_timeout: float) -> int:
+def apply_files(root: Path, files: dict, plan: Plan, start: bool, restart: bool, ready_timeout: float,
+                rollout: Rollout | None = None) -> int:
+    """``rollout``: how workers restart (rolling.py: one batch at a time, drained); None = all in one call."""
     old = read_tree(root, files)
     stale = [rel for rel in old if rel not in files]
     changed = affected_units(old, files)
@@ -92,10 +95,19 @@ def apply_files(root: Path, files: dict, plan: Plan, start: bool, restart: bool,
             units.remove(C.PROXY_UNIT)
             info(f"reloading {C.PROXY_UNIT} (only its settings changed: no connection is dropped)")
             systemctl("reload", C.PROXY_UNIT, timeout=60)
-        for u in units:
+        workers = [w for w in plan.workers if w.unit in units]
+        others = [u for u in units if u not in {w.unit for w in workers}]
+        if rollout is None:
+            others, workers = units, []
+        for u in others:
             info(f"restarting {u} (its configuration changed)")
-        if units:
-            systemctl("restart", *units, timeout=600)
+        if others:
+            systemctl("restart", *others, timeout=600)
+        if workers:
+            info(f"rolling restart of {len(workers)} worker(s), {rollout.batch} at a time (drained first; "
+                 "`--all-at-once` restarts them together)")
+            was = _old_instances(old)
+            Roll(plan, rollout).run(workers, new=({w.instance for w in workers} - was) if was else set())
     elif not active:
         info("starting pd.target")
         r = systemctl("start", "--no-block", C.TARGET_UNIT)
