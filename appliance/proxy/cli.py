@@ -69,6 +69,8 @@ def register(subparsers) -> None:
     p.add_argument("--pd-min-prompt-tokens", type=int, help="shorter prompts skip the P leg")
     p.add_argument("--first-byte-timeout-s", type=float)
     p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--stall-floor-s", type=float, help="the shortest silence of a worker with open legs that counts "
+                   "as hung ([proxy] stall_floor_s)")
     p.add_argument("--on-prefill-failure", choices=("fail", "decode"))
     p.add_argument("--public-status", action="store_true",
                    help="also serve /pdctl/status on the public port (read-only, API key required)")
@@ -126,7 +128,7 @@ def config_from_args(args, plan=None) -> ProxyConfig:
     if args.internal:
         kw["internal_host"], kw["internal_port"] = args.internal
     for k in ("policy", "kv_wait_s", "pd_min_prompt_tokens", "first_byte_timeout_s", "max_body_bytes",
-              "on_prefill_failure"):
+              "on_prefill_failure", "stall_floor_s"):
         v = getattr(args, k)
         if v is not None:
             kw[k] = v
