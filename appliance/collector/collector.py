@@ -2,22 +2,26 @@
 
 Sources per tick: GPU sampler (NVML or twin), one ``systemctl show`` for all units, each worker's
 ``/health`` and ``/metrics``, the KV server's ``/healthcheck``, ``/status`` and ``/metrics``, the proxy's
-``/metrics``, ``/ready`` and its loopback status JSON. The GETs are all in flight at once on the wire
-client (scrape.py: keep-alive per endpoint, short time-outs), so one hung endpoint costs one time-out, not
-one per source. This module decides what to read when (the I/O); derive.py turns it into the Snapshot's
-parts (pure), history.py keeps the charted series. A failing source makes its own fields NA and the overall
-state "degraded"; it never stops the tick. Time comes from an injected clock (clock.py).
+``/metrics``, ``/ready`` and its loopback status JSON, and the state file of a rollout (rollout.py). The GETs
+are all in flight at once on the wire client (scrape.py: keep-alive per endpoint, short time-outs), so one hung
+endpoint costs one time-out, not one per source. This module decides what to read when (the I/O); derive.py
+turns it into the Snapshot's parts (pure), history.py keeps the charted series. A failing source makes its own
+fields NA and the overall state "degraded"; it never stops the tick. Time comes from an injected clock (clock.py).
 """
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any, Optional
+
+from appliance import constants as C
 
 from appliance.inventory import NA
 
 from . import derive as D
 from . import figures as F
+from . import rollout as RO
 from . import state as S
 from .clock import REAL, Clock
 from .endpoints import Endpoints
@@ -52,8 +56,11 @@ class Collector:
     def __init__(self, plan: Any, gpu_sampler: Optional[GpuSampler] = None, interval: float = 1.0, *,
                  units: Optional[UnitSource] = None, window_s: float = 10.0, timeout_s: float = 0.5,
                  slo_ttft_s: Optional[float] = None, slo_tpot_s: Optional[float] = None, history_len: int = 300,
-                 units_every: int = 5, units_steady_every: int = 15, clock: Clock = REAL):
+                 units_every: int = 5, units_steady_every: int = 15, clock: Clock = REAL,
+                 rollout_path: Path = C.ROLLOUT_STATE):
         self.plan = plan
+        self.rollout_path = Path(rollout_path)
+        self._phases = RO.Phases()
         self.sampler = gpu_sampler if gpu_sampler is not None else default_sampler(plan)
         self.interval = interval
         self.units = units if units is not None else SystemctlUnits()
@@ -152,7 +159,8 @@ class Collector:
         procs = {p[0] for g in raw_gpus for p in g.processes} if main_pids and not isinstance(raw_gpus, NA) else set()
         p = D.derive(plan, eps, got, parsed, self.window, states, raw_gpus, lineage(procs),
                      getattr(self.sampler, "source", "gpu"), now)
-        overall, reasons = S.overall(p.workers, p.kv, p.proxy)
+        rollout = self._phases.see(RO.read(self.rollout_path, now), now)
+        overall, reasons = S.overall(p.workers, p.kv, p.proxy, rollout)
         self._tick += 1
         self._history.push(D.history_values(p))
         model, count = F.gpu_model(plan, p.gpu_source, p.gpus)
@@ -166,7 +174,7 @@ class Collector:
             tpot_p50_s=p.tpot_p50_s, tpot_p95_s=p.tpot_p95_s,
             slo_tpot_s=self.slo_tpot_s if self.slo_tpot_s is not None else NA("no TPOT SLO configured"),
             family=str((plan.predicted or {}).get("family", "")), gpu_model=model, gpu_count=count,
-            units_note=S.units_note(states), history=self._history.snapshot())
+            units_note=S.units_note(states), history=self._history.snapshot(), rollout=rollout)
 
     def _unit_states(self, got: dict, eps: Endpoints) -> dict:
         """``systemctl show`` (a process spawn: a third of the collector's CPU) every ``units_every`` ticks
@@ -191,10 +199,12 @@ class Collector:
 
 def collect_once(plan: Any, gpu_sampler: Optional[GpuSampler] = None, *, units: Optional[UnitSource] = None,
                  settle_s: float = 0.0, timeout_s: float = 0.5, slo_ttft_s: Optional[float] = None,
-                 slo_tpot_s: Optional[float] = None, clock: Clock = REAL) -> Snapshot:
+                 slo_tpot_s: Optional[float] = None, clock: Clock = REAL,
+                 rollout_path: Path = C.ROLLOUT_STATE) -> Snapshot:
     """One Snapshot without a thread. With ``settle_s`` > 0 two ticks are taken so rates are filled."""
     c = Collector(plan, gpu_sampler, interval=max(settle_s, 0.1), units=units, window_s=max(settle_s, 0.1) * 2,
-                  timeout_s=timeout_s, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s, clock=clock)
+                  timeout_s=timeout_s, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s, clock=clock,
+                  rollout_path=rollout_path)
     try:
         snap = c.tick()
         if settle_s > 0:

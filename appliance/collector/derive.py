@@ -8,7 +8,7 @@ the URL and what went wrong, so the operator reads why a figure is missing, not 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from appliance import constants as C
 from appliance.inventory import NA, is_na
@@ -16,6 +16,7 @@ from appliance.inventory import NA, is_na
 from .. import metric_names as N
 from . import admission as ADM
 from . import figures as F
+from . import rollout as RO
 from . import routing
 from .rates import Window, quantile, ratio, sum_values
 from .endpoints import Endpoints
@@ -130,10 +131,13 @@ def derive(plan: Any, eps: Endpoints, got: dict, m: Parsed, window: Window, stat
     from itself up), and the wall-clock time ``now`` (uptimes)."""
     d = _Derive(plan, eps, window)
     pm = m.proxy
-    breakers = d.breakers(got["px_status"], pm)
+    backends = RO.backends_of(got["px_status"])          # parsed once: the breakers and the drained read it
+    breakers = d.breakers(got["px_status"], pm, backends)
+    held = RO.drained(backends, got["px_status"], pm, eps.who)
     legs = routing.legs(window, pm, eps.who, eps.wunit)
     workers = tuple(d.worker(w, got[f"w_health:{w.instance}"], m.workers[w.instance], breakers, legs[w.instance],
-                             states.get(eps.wunit[w.instance]) or na_unit(eps.wunit[w.instance], "no state"))
+                             states.get(eps.wunit[w.instance]) or na_unit(eps.wunit[w.instance], "no state"),
+                             held if isinstance(held, NA) else held.get(w.instance, ""))
                     for w in plan.workers)
     kv = d.kv(got, m.kv, states.get(C.KV_UNIT) or na_unit(C.KV_UNIT, "no state"))
     proxy = d.proxy(got, pm, breakers, states.get(C.PROXY_UNIT) or na_unit(C.PROXY_UNIT, "?"), now)
@@ -247,7 +251,8 @@ class _Derive:
             return self.absent(hits)
         return ratio(h, q)
 
-    def worker(self, w: Any, health: Reply, m: Any, breakers: Any, legs: tuple, state: UnitState) -> WorkerStatus:
+    def worker(self, w: Any, health: Reply, m: Any, breakers: Any, legs: tuple, state: UnitState,
+               drained: Any = "") -> WorkerStatus:
         if health.ok:
             h: Any = "ok"
         elif health.status:
@@ -279,7 +284,7 @@ class _Derive:
             external_hit_rate=self._wratio(i, "ext_hits", "ext_queries", m),
             prompt_tps=self._wrate(i, "prompt_tokens", m), gen_tps=self._wrate(i, "gen_tokens", m),
             preemptions=self._wrate(i, "preemptions", m),
-            breaker=br, legs_inflight=legs[0], legs_per_s=legs[1], state=state)
+            breaker=br, legs_inflight=legs[0], legs_per_s=legs[1], state=state, drained=drained)
 
     def kv(self, got: dict, km: Any, state: UnitState) -> KVServerStatus:
         hf = got["kv_health"]
@@ -323,17 +328,13 @@ class _Derive:
             active_sessions=int(sessions) if isinstance(sessions, int) else NA(why),
             state=state)
 
-    def breakers(self, st: Reply, pm: Any) -> Union[tuple, NA]:
-        """(instance, state) per backend, from the proxy's status JSON, else from its backend_state gauge."""
+    def breakers(self, st: Reply, pm: Any, backends: Optional[list]) -> Union[tuple, NA]:
+        """(instance, state) per backend, from the proxy's status JSON (``backends``: RO.backends_of), else from
+        its backend_state gauge."""
         who = self.eps.who
-        if st.ok:
-            doc = parse_json(st)
-            backends = doc.get("backends") if isinstance(doc, dict) else None
-            if isinstance(backends, dict):
-                backends = [dict(v, name=v.get("name", k)) for k, v in backends.items() if isinstance(v, dict)]
-            if isinstance(backends, list):
-                return tuple((who(str(b.get("name", "")), str(b.get("url", ""))), str(b.get("state", "?")))
-                             for b in backends if isinstance(b, dict))
+        if backends is not None:
+            return tuple((who(str(b.get("name", "")), str(b.get("url", ""))), str(b.get("state", "?")))
+                         for b in backends)
         if isinstance(pm, NA):
             return NA(f"proxy status: {st.error or 'no backends listed'}; {pm.reason}")
         name = N.resolve(N.PROXY, "backend_state", pm.names)

@@ -15,7 +15,8 @@ Num = Union[float, NA]
 Int = Union[int, NA]
 Str = Union[str, NA]
 
-SCHEMA_VERSION = 2     # 2: TPOT, errors/s, migrations/s, prefill saved, tick-aligned history (NaN gaps)
+SCHEMA_VERSION = 3     # 2: TPOT, errors/s, migrations/s, prefill saved, tick-aligned history (NaN gaps)
+#                        3: the rollout in progress, each worker's "drained", the overall state "rolling"
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class WorkerStatus:
     legs_inflight: LegCounts     # legs the proxy has open on this worker now
     legs_per_s: LegCounts        # legs the proxy sent it per second over the window
     state: UnitState
+    # why the proxy holds it out of rotation ("rollout": `pdctl apply` drained it); "" when it does not (or a
+    # proxy older than draining); NA when neither the proxy's status JSON nor its drained gauge answered
+    drained: Str = ""
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,20 @@ class Traffic:
 
 
 @dataclass(frozen=True)
+class Rollout:
+    """A rolling restart by `sudo pdctl apply` (appliance/install/rolling.py), from the state file it keeps while
+    it runs (C.ROLLOUT_STATE); ``interrupted`` when the process that wrote it is gone (killed: the file stayed)."""
+    step: str                    # "2/4": batch 2 of 4 ("new": workers new in the plan, started first)
+    workers: tuple               # the instances of this step
+    phase: str                   # draining | waiting for room | drained | drain time-out | restarting | ...
+    detail: str                  # what the phase waits for ("3 legs still open"); "" when it says nothing
+    phase_age_s: float           # since this phase began (its first tick seen; one-shot: the file's last word)
+    age_s: float                 # since the rollout began
+    pid: int                     # the `pdctl apply` process
+    interrupted: bool
+
+
+@dataclass(frozen=True)
 class Snapshot:
     taken_at: float              # unix seconds
     tick: int
@@ -207,7 +225,7 @@ class Snapshot:
     engine: str
     engine_version: str
     model: str
-    overall: str                 # "ready" | "degraded" | "down"
+    overall: str                 # "ready" | "starting" | "rolling" | "degraded" | "down" (state.py)
     overall_reasons: tuple       # why not ready (one short string per cause)
     uptime_s: Num
     gpu_source: Str              # "nvml", "twin", ... or NA(why no GPU samples)
@@ -227,6 +245,9 @@ class Snapshot:
     units_note: str              # "" when unit states come from systemd; else the one reason for every unit
     # series name -> tuple of floats, oldest first, one value per tick (NaN where NA), newest = this tick
     history: dict = field(default_factory=dict)
+    # the rollout `sudo pdctl apply` runs now (or left behind, interrupted); None when none; NA when its state
+    # file could not be read
+    rollout: Union[Rollout, NA, None] = None
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> dict:

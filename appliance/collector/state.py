@@ -2,9 +2,12 @@
 
 ``ready``: every source answered and the proxy's canary passed. ``starting``: nothing has failed, something
 is still coming up (a unit activating, an engine loading: the launcher's STATUS= says how far), and the
-proxy waits for it. ``degraded``: something failed (endpoint refused, breaker open, unit failed or
-restarting). ``down``: the proxy itself does not answer. Faults are listed before starting reasons: the
-first reason is the line that matters most.
+proxy waits for it. ``rolling``: `sudo pdctl apply` restarts the workers one batch at a time, and nothing
+fails but what the rollout does on purpose (the workers of its step, and any it holds drained: out of rotation,
+stopping, starting, refusing); the box serves from the others, so it is no alarm. ``degraded``: something
+failed (endpoint refused, breaker open, unit failed or restarting, a worker held out of rotation with no rollout
+running, a rollout that was interrupted). ``down``: the proxy itself does not answer. Faults are listed before
+the rollout and starting reasons: the first reason is the line that matters most.
 """
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from typing import Any
 
 from appliance.inventory import is_na
 
-from .snapshot import KVServerStatus, ProxyStatus, UnitState
+from .rollout import line
+from .snapshot import KVServerStatus, ProxyStatus, Rollout, UnitState
 
 
 def _status(st: UnitState) -> str:
@@ -23,32 +27,50 @@ def _starting_unit(st: UnitState) -> bool:
     return st.active == "activating" and st.sub != "auto-restart"
 
 
-def overall(workers: tuple, kv: KVServerStatus, proxy: ProxyStatus) -> tuple[str, list]:
+def overall(workers: tuple, kv: KVServerStatus, proxy: ProxyStatus, rollout: Any = None) -> tuple[str, list]:
+    """(state, reasons). ``rollout``: the Snapshot's (a Rollout, NA when its file did not read, or None)."""
+    rolling = isinstance(rollout, Rollout) and not rollout.interrupted
+    interrupted = isinstance(rollout, Rollout) and rollout.interrupted
+    held = {w.instance: w.drained for w in workers if isinstance(w.drained, str) and w.drained}
+    expected_of = (set(rollout.workers) | set(held)) if rolling else set()
+    ro_line = [line(rollout)] if isinstance(rollout, Rollout) else []
     if is_na(proxy.health):
-        return "down", [f"proxy: {proxy.health.reason}"]
-    faults: list = []
+        return "down", [f"proxy: {proxy.health.reason}"] + ro_line
+    faults: list = list(ro_line) if interrupted else []      # the workers keep what the rollout left them
     starting: list = []
+    expected: list = []                           # what the rollout does on purpose
+    by_unit = {w.state.unit: w.instance for w in workers}
+
+    def fault(name: str, why: str) -> None:
+        (expected if name in expected_of else faults).append(why)
+
+    def start(name: str, why: str) -> None:
+        (expected if name in expected_of else starting).append(why)
     for name, health, st in [("kv server", kv.health, kv.state)] + [(w.instance, w.health, w.state)
                                                                     for w in workers]:
         if _starting_unit(st):
-            starting.append(f"{name}: starting{_status(st)}")
+            start(name, f"{name}: starting{_status(st)}")
         elif isinstance(health, str) and health.startswith("starting") and is_na(st.active):
-            starting.append(f"{name}: {health}")       # no unit state: a port that does not answer yet
+            start(name, f"{name}: {health}")       # no unit state: a port that does not answer yet
         elif health != "ok":
-            faults.append(f"{name}: {health.reason if is_na(health) else health}")
+            fault(name, f"{name}: {health.reason if is_na(health) else health}")
     for w in workers:
         if w.breaker in ("open", "half_open"):
-            faults.append(f"{w.instance}: breaker {w.breaker}")
+            fault(w.instance, f"{w.instance}: breaker {w.breaker}")
+        if w.instance in held and not rolling:
+            faults.append(f"{w.instance}: out of rotation (drained: {held[w.instance]}) and no rollout runs")
     for st in [kv.state, proxy.state] + [w.state for w in workers]:
         if st.active in ("failed", "deactivating") or st.sub == "auto-restart":
-            faults.append(f"{st.unit}: {st.active}/{st.sub}{_status(st)}")
+            fault(by_unit.get(st.unit, ""), f"{st.unit}: {st.active}/{st.sub}{_status(st)}")
     if _starting_unit(proxy.state):
         starting.append(f"proxy: starting{_status(proxy.state)}")
     if proxy.ready != "ready":
-        line = f"proxy {proxy.ready}" if not is_na(proxy.ready) else "proxy readiness unknown"
-        (starting if starting and not faults else faults).append(line)
+        line_ = f"proxy {proxy.ready}" if not is_na(proxy.ready) else "proxy readiness unknown"
+        (starting if starting and not faults else faults).append(line_)
     if faults:
-        return "degraded", faults + starting
+        return "degraded", faults + (ro_line if rolling else []) + expected + starting
+    if rolling:
+        return "rolling", ro_line + expected + starting
     return ("starting", starting) if starting else ("ready", [])
 
 

@@ -123,10 +123,15 @@ class State:
 
     def __init__(self, path: Path = C.ROLLOUT_STATE):
         self.path, self.t0 = Path(path), time.time()
+        self.last: tuple = ()
+        self.since = self.t0
 
     def set(self, step: str, workers: list, phase: str, detail: str = "") -> None:
+        """``at``: when this step and phase began (a heartbeat line of the same phase keeps it)."""
+        if (step, workers, phase) != self.last:
+            self.last, self.since = (step, list(workers), phase), time.time()
         doc = {"pid": os.getpid(), "started": self.t0, "step": step, "workers": workers, "phase": phase,
-               "detail": detail, "at": time.time()}
+               "detail": detail, "at": self.since}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(self.path.name + ".new")

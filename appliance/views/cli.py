@@ -81,7 +81,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if fleet is not None and not args.json:
         from appliance.fleet.status import render_text as fleet_text
         sys.stdout.write("\nfleet:\n" + fleet_text(fleet))
-    return EXIT_OK if snap.overall == "ready" else EXIT_FAIL
+    # a rollout in progress (`sudo pdctl apply`) serves from the other workers: no alarm (its line says how far)
+    return EXIT_OK if snap.overall in ("ready", "rolling") else EXIT_FAIL
 
 
 def _keys_status(args: argparse.Namespace, plan) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from appliance.collector.snapshot import Admission, DecisionMix, LegCounts, Snapshot, UnitState
+from appliance.collector import rollout as RO
+from appliance.collector.snapshot import Admission, DecisionMix, LegCounts, Rollout, Snapshot, UnitState, WorkerStatus
 from appliance.inventory import NA, is_na
 from appliance.policy.decide import AGGREGATE, SPLIT
 
@@ -49,6 +50,27 @@ def unit_text(st: UnitState) -> str:
     if st.sub == "auto-restart":
         return "restarting"
     return {"activating": "starting", "deactivating": "stopping"}.get(st.active, st.active)
+
+
+def drained_text(w: WorkerStatus) -> str:
+    """``drained (rollout)`` while the proxy holds the worker out of rotation, else "" (NA: the proxy's status
+    did not answer; the breakers' NA says why)."""
+    return f"drained ({w.drained})" if isinstance(w.drained, str) and w.drained else ""
+
+
+def worker_state(w: WorkerStatus) -> str:
+    """The worker's unit state, or ``drained (rollout)`` for an active worker the proxy holds out of rotation
+    (``restarting, drained`` when its unit is not active)."""
+    s, held = unit_text(w.state), drained_text(w)
+    if not held:
+        return s
+    return held if s in ("active", "-", "NA") else f"{s}, drained"
+
+
+def rollout_text(r: Any) -> str:
+    """The rollout line (``rollout: 2/4 decode-1 draining (3 legs still open) for 12 s``), or "" when none runs
+    (a state file that does not read is NA: ``na_notes`` says why)."""
+    return RO.line(r) if isinstance(r, Rollout) else ""
 
 
 def text(v: Any) -> str:
@@ -167,6 +189,7 @@ def na_notes(snap: Snapshot) -> list[str]:
     add("TPOT", snap.tpot_p50_s)
     add("prefill saved", snap.kv_layers.prefill_saved)
     add("migrations", snap.traffic.migrations_per_s)
+    add("rollout", snap.rollout)
     return notes
 
 
@@ -176,6 +199,9 @@ def render_text(snap: Snapshot) -> str:
     gpus = f"{snap.gpu_count}x {snap.gpu_model}" if not is_na(snap.gpu_model) else "no GPUs"
     out.append(f"pdctl {snap.mode} {snap.engine} {snap.engine_version}  model {snap.model}  {gpus}  "
                f"{snap.overall.upper()}{reasons}  uptime {duration(snap.uptime_s)}")
+    if isinstance(snap.rollout, Rollout):
+        r = snap.rollout
+        out.append(f"{rollout_text(r)}   (pdctl apply pid {r.pid}, started {RO.ago(r.age_s)} ago)")
     if snap.units_note:
         out.append(f"units    {snap.units_note}")
     t = snap.traffic
@@ -199,17 +225,18 @@ def render_text(snap: Snapshot) -> str:
                f"kv-server {pct(lay.kv_server)}   L1 {gib(k.l1_used_bytes)}/{gib(k.l1_total_bytes)} "
                f"({pct(k.l1_usage)})  evictions {num(k.evictions_per_s, '{:.1f}')}/s")
     out.append("")
-    out.append(f"{'instance':<12}{'unit':<14}{'health':<10}{'rst':>4} {'run':>4} {'wait':>5} {'kv':>5} "
-               f"{'local':>6} {'conn':>6} {'breaker':<9} {'legs in flight':<21}gpus")
-    rows = [("kvserver", k.state, k.health, "", "", "", "", "", "", "", "")]
+    rows = [("kvserver", k.state, unit_text(k.state), k.health, "", "", "", "", "", "", "", "")]
     for w in snap.workers:
-        rows.append((w.instance, w.state, w.health, num(w.running, "{:.0f}"), num(w.waiting, "{:.0f}"),
-                     pct(w.kv_usage), pct(w.local_hit_rate), pct(w.external_hit_rate), text(w.breaker),
-                     legs_text(w.legs_inflight), ",".join(map(str, w.gpus)) or "-"))
-    rows.append(("proxy", p.state, p.health, "", "", "", "", "", "", "", ""))
-    for name, st, health, run, wait, kvu, loc, ext, br, legs, gp in rows:
+        rows.append((w.instance, w.state, worker_state(w), w.health, num(w.running, "{:.0f}"),
+                     num(w.waiting, "{:.0f}"), pct(w.kv_usage), pct(w.local_hit_rate), pct(w.external_hit_rate),
+                     text(w.breaker), legs_text(w.legs_inflight), ",".join(map(str, w.gpus)) or "-"))
+    rows.append(("proxy", p.state, unit_text(p.state), p.health, "", "", "", "", "", "", "", ""))
+    uw = max([14] + [len(r[2]) + 2 for r in rows])     # "drained (rollout)" widens the unit column
+    out.append(f"{'instance':<12}{'unit':<{uw}}{'health':<10}{'rst':>4} {'run':>4} {'wait':>5} {'kv':>5} "
+               f"{'local':>6} {'conn':>6} {'breaker':<9} {'legs in flight':<21}gpus")
+    for name, st, state, health, run, wait, kvu, loc, ext, br, legs, gp in rows:
         h = health_short(health)
-        out.append(f"{name:<12}{unit_text(st):<14}{h:<10}{text(st.restarts):>4} {run:>4} {wait:>5} {kvu:>5} "
+        out.append(f"{name:<12}{state:<{uw}}{h:<10}{text(st.restarts):>4} {run:>4} {wait:>5} {kvu:>5} "
                    f"{loc:>6} {ext:>6} {br:<9} {legs:<20} {gp}".rstrip())
     out.append("")
     if snap.gpus:

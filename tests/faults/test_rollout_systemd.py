@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from .common import PDCTL, Load, curl, model, proxy_status, wait_until
+from .common import PDCTL, Load, curl, plan, proxy_status, wait_until
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
@@ -47,6 +47,11 @@ class OutWatch:
         self.stop.set()
         self.t.join(30)
         return self
+
+
+def model(box) -> str:
+    p = plan(box)
+    return p.get("served_model_name") or p["model"]
 
 
 def ready(box) -> bool:

@@ -10,6 +10,7 @@ from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
 from appliance.views.status import (
     decisions_text,
+    drained_text,
     duration,
     gib,
     health_short,
@@ -88,6 +89,7 @@ def body(snap: Snapshot, unit: str, width: int = 80) -> Table:
                 ("generated tok/s", _v(w.gen_tps if is_na(w.gen_tps) else num(w.gen_tps, "{:.0f}"))),
                 ("preemptions/s", _v(w.preemptions if is_na(w.preemptions) else num(w.preemptions, "{:.2f}"))),
                 ("breaker", _v(w.breaker)),
+                *([("rotation", Text(f"out: {drained_text(w)}", style="cyan"))] if drained_text(w) else []),
                 ("legs open (F/P/D)", Text(legs_text(w.legs_inflight))),
                 ("legs/s (F/P/D)", Text(" / ".join(num(x, "{:.2f}") for x in
                                                    (w.legs_per_s.full, w.legs_per_s.prefill, w.legs_per_s.decode))))]

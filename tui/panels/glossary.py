@@ -22,8 +22,9 @@ KEYS = (
 
 NUMBERS = (
     ("header", "plan shape (1P3D: 1 prefill + 3 decode workers; B: workers that serve either leg), GPU model "
-               "and count, served model, engine and version, proxy uptime; then READY / STARTING / DEGRADED / "
-               "DOWN and the one reason that matters most"),
+               "and count, served model, engine and version, proxy uptime; then READY / STARTING / ROLLING / "
+               "DEGRADED / DOWN and the one reason that matters most (ROLLING: `sudo pdctl apply` restarts the "
+               "workers a batch at a time and nothing else fails; the roles table's title says how far)"),
     ("TTFT p50/p95", "time to first token at the proxy (arrival to first token out), over the window, from the "
                      "proxy's histogram; chart: one column per tick (max of the ticks it covers), p50 cyan "
                      "over p95 blue, red above the SLO line"),
@@ -56,7 +57,8 @@ NUMBERS = (
     ("legs F P D", "legs the proxy has open on the worker now: full (aggregated) requests, P legs, D legs"),
     ("legs/s", "legs sent to the worker per second over the window (F P D)"),
     ("rst", "systemd restarts of the unit (NRestarts); unit: its state (active, starting, restarting, failed)"),
-    ("breaker", "the proxy's circuit breaker for this backend: closed (used), open (skipped), half_open"),
+    ("breaker", "the proxy's circuit breaker for this backend: closed (used), open (skipped), half_open; "
+                "drained: a rollout holds it out of rotation (the detail says why)"),
     ("status", "the launcher's STATUS= (what a starting engine is doing); proxy: ready or why not"),
     ("GPU rows", "utilisation and memory in use now and their history, temperature, power / limit, and the "
                  "worker bound to the GPU"),

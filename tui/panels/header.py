@@ -14,7 +14,8 @@ from appliance.views.status import duration, na_notes
 from .summary import Fit, form
 
 STATE_STYLE = {"ready": "bold black on green", "starting": "bold black on yellow",
-               "degraded": "bold black on dark_orange", "down": "bold white on red"}
+               "rolling": "bold black on cyan", "degraded": "bold black on dark_orange", "down": "bold white on red"}
+REASON_STYLE = {"starting": "yellow", "rolling": "cyan"}       # the first reason's; a fault's is bold
 
 
 def plan_shape(snap: Snapshot) -> str:
@@ -70,7 +71,7 @@ def state_line(snap: Optional[Snapshot]) -> Fit:
                     form(word, (f"  {len(rest)} NA: ?", "dim"))))
     first = items[0] if items else snap.overall
     more = f"  (+{len(items) - 1} more: press ?)" if len(items) > 1 else ""
-    style = "yellow" if snap.overall == "starting" else "bold"
+    style = REASON_STYLE.get(snap.overall, "bold")
     return Fit((form(word, ("  ", ""), (first, style), (more, "dim")),
                 form(word, ("  ", ""), (first, style))))
 

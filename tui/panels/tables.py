@@ -17,7 +17,7 @@ from appliance.collector.snapshot import Snapshot
 from appliance.inventory import is_na
 from appliance.keys.table import CLASS_WEIGHTS
 from appliance.views import keys_table
-from appliance.views.status import gib, health_short, legs_text, num, pct, text, unit_text
+from appliance.views.status import gib, health_short, legs_text, num, pct, rollout_text, text, unit_text
 
 from ..widgets.bars import bar
 from ..widgets.chart import spark
@@ -113,7 +113,11 @@ def _unit(st: Any) -> Text:
     return Text(s, style=style)
 
 
-def _breaker(v: Any) -> Text:
+def _breaker(v: Any, drained: Any = "") -> Text:
+    """The proxy's breaker for the worker, or ``drained`` while a rollout holds it out of rotation (the proxy
+    sends it nothing whatever its breaker says; the detail view has the reason)."""
+    if isinstance(drained, str) and drained:
+        return Text("drained", style="bold cyan")
     s = text(v)
     return Text(s, style={"closed": "green", "open": "bold red", "half_open": "yellow"}.get(s, "dim"))
 
@@ -144,7 +148,7 @@ def role_rows(snap: Snapshot) -> list[tuple[str, dict]]:
         tps = f"{num(w.prompt_tps, '{:.0f}')}/{num(w.gen_tps, '{:.0f}')}"
         rows.append((w.unit, {"inst": w.instance, "role": w.role, "unit": _unit(w.state), "health": _health(w.health),
                               "rst": text(w.state.restarts), "rw": rw, "kv": pct(w.kv_usage),
-                              "breaker": _breaker(w.breaker), "legs": _legs(w.legs_inflight),
+                              "breaker": _breaker(w.breaker, w.drained), "legs": _legs(w.legs_inflight),
                               "legs_s": _legs_s(w.legs_per_s), "tps": tps,
                               "gpu": ",".join(map(str, w.gpus)) or "cpu", "status": _status(w.state.status_text)}))
     rows.append((p.unit, {"inst": "proxy", "role": "router", "unit": _unit(p.state), "health": _health(p.health),
@@ -204,8 +208,17 @@ def _fit_last(rows: list, columns: tuple, width: int) -> tuple:
     return columns
 
 
+def roles_title(snap: Snapshot) -> str:
+    """``roles``, and while `sudo pdctl apply` rolls the workers (or left a rollout interrupted) its line."""
+    line = rollout_text(snap.rollout)
+    return f"roles · {line}" if line else "roles"
+
+
 def render_roles(table: DataTable, snap: Snapshot) -> None:
     w = table.app.size.width
+    title = roles_title(snap)
+    if table.border_title != title:
+        table.border_title = title
     rows = role_rows(snap)
     cols = with_id_widths(rows, columns_for(ROLE_COLUMNS, w, systemd=not snap.units_note), ("inst",))
     _sync(table, rows, _fit_last(rows, cols, w) if cols[-1][0] == "status" else cols)
