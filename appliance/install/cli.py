@@ -178,6 +178,11 @@ def run_apply(args: argparse.Namespace) -> int:
                        rollout=rollout)
 
 
+def _run_upgrade(args: argparse.Namespace) -> int:
+    from .upgrade import run_upgrade
+    return run_upgrade(args)
+
+
 def run_uninstall(args: argparse.Namespace) -> int:
     root: Path = args.root
     live = root == Path("/")
@@ -259,6 +264,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="take a worker out even when the others lack room for its streams after "
                         "[rollout] capacity_wait_s")
     p.set_defaults(func=run_apply)
+
+    p = sub.add_parser("upgrade", help="move the workers onto another engine release one at a time; back on the "
+                                       "first failure (docs/operations.md)")
+    p.add_argument("--engine-version", dest="engine_version", default="",
+                   help="the release (a key of the engine flag table; on a simulated box any name: [twin] version)")
+    p.add_argument("--engine-venv", dest="engine_venv", default="",
+                   help="the venv holding it, built with scripts/install-engines.sh (default: <engine_venv>-RELEASE)")
+    p.add_argument("--config", type=Path, default=C.CONFIG_PATH)
+    p.add_argument("--force", action="store_true",
+                   help="take a worker out even when the others lack room for its streams")
+    p.add_argument("--finish", action="store_true", help="remove the venv the last upgrade moved away from")
+    p.set_defaults(func=_run_upgrade)
 
     p = sub.add_parser("uninstall", help="stop and remove units, user and files (--purge: also config/state)")
     p.add_argument("--purge", action="store_true")

@@ -29,6 +29,7 @@ from .readiness import UnitFailed, failed_for_good
 
 POLL_S = 0.5
 HEARTBEAT_S = 5.0      # a progress line at least this often while a step waits
+CANARY_TRIES_S = 30.0  # a restarted worker's canary is tried again for this long (an engine settling after READY)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ def room_for(status: dict, out: list, per_worker: int) -> str:
     if need > room:
         return f"{names} stream(s) {need} answers; the other workers have room for {room}"
     return ""
+
+
+def irreplaceable(status: dict, out: list) -> bool:
+    """No other worker of the plan can serve answers at all (a one-decoder box): waiting for room is pointless."""
+    return not any(b.get("role") in ("decode", "both") for b in status.get("backends", []) if b.get("name") not in out)
 
 
 class Control:
@@ -106,6 +112,14 @@ class Control:
 
     def undrain(self, worker: str) -> tuple:
         return self._post({"worker": worker, "drain": False})
+
+
+class WorkerFailed(CliError):
+    """A worker that did not pass its canary: ``what`` happened; the advice depends on whether it is rolled back."""
+
+    def __init__(self, what: str, advice: str):
+        super().__init__(f"{what}. {advice}", 1)
+        self.what = what
 
 
 def invocation(unit: str) -> str:
@@ -154,6 +168,7 @@ class Roll:
         adm = getattr(plan.proxy, "admission", None) or {}
         self.per_worker = int(adm.get("max_num_seqs") or _d("plan", "max_num_seqs"))
         self.draining = True
+        self.touched: list = []           # workers restarted (or being restarted) by this rollout, in order
 
     def say(self, step: str, names: list, phase: str, detail: str = "") -> None:
         info(f"{step} {', '.join(names)}: {phase}" + (f" ({detail})" if detail else ""))
@@ -198,6 +213,7 @@ class Roll:
                     raise CliError(f"the proxy would not drain {w.instance}: {_error(ans)}; nothing restarted", 1)
             self._drain(step, names)
         units = [w.unit for w in batch]
+        self.touched += batch
         self.say(step, names, "restarting", " ".join(units))
         before = {u: invocation(u) for u in units}
         r = systemctl("restart", "--no-block", *units)
@@ -215,6 +231,11 @@ class Roll:
             st = self.ctl.status()
             why = room_for(st, names, self.per_worker) if st is not None else "the proxy does not answer"
             if not why:
+                return
+            if st is not None and irreplaceable(st, names):
+                warn(f"{step} {', '.join(names)}: no other worker of this plan can serve answers, so the box serves "
+                     "none while it restarts (its open answers finish first); a plan with two or more decode-capable "
+                     "workers rolls without a gap")
                 return
             waited = time.monotonic() - t0
             if waited >= self.ro.capacity_wait_s:
@@ -284,14 +305,20 @@ class Roll:
 
     def _canary(self, step: str, w) -> None:
         """Back into rotation once a real request to it alone succeeds; a few tries while its engine settles."""
-        t0 = time.monotonic()
+        t0 = last = time.monotonic()
+        self.say(step, [w.instance], "canary", "one real request to it alone")
+        tries = 0
         while True:
-            self.say(step, [w.instance], "canary", "one real request to it alone")
             code, ans = self.ctl.undrain(w.instance)
+            tries += 1
             if code == 200:
                 return
-            if time.monotonic() - t0 >= min(60.0, self.ro.ready_timeout_s):
-                raise CliError(f"{step} {w.instance} failed its canary: {_error(ans)}. It stays out of rotation "
-                               f"(the others serve); `journalctl -u {w.unit}` says why, then `sudo pdctl apply` "
-                               "again", 1)
+            if time.monotonic() - t0 >= min(CANARY_TRIES_S, self.ro.ready_timeout_s):
+                raise WorkerFailed(f"{step} {w.instance} failed its canary {tries} times in {CANARY_TRIES_S:g} s: "
+                                   f"{_error(ans)}",
+                                   f"It stays out of rotation (the others serve); `journalctl -u {w.unit}` says why, "
+                                   "then `sudo pdctl apply` again")
+            if time.monotonic() - last >= HEARTBEAT_S:
+                self.say(step, [w.instance], "canary", f"try {tries} failed: {_error(ans)[:160]}; trying again")
+                last = time.monotonic()
             time.sleep(2.0)

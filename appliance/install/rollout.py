@@ -41,6 +41,18 @@ def _old_instances(old: dict) -> set:
     return set()
 
 
+def _old_model(old: dict) -> str | None:
+    """The model (and the name clients use) of the plan.json the tree held before this apply."""
+    for rel, f in old.items():
+        if rel.endswith("plan.json"):
+            try:
+                p = json.loads(f.text)
+                return f"{p['model']} as {p.get('served_model_name', p['model'])}"
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return None
+    return None
+
+
 def _relevant_units(changed: set, plan: Plan) -> list[str]:
     out = []
     for u in sorted(changed):
@@ -51,9 +63,33 @@ def _relevant_units(changed: set, plan: Plan) -> list[str]:
     return sorted(set(out))
 
 
+def _roll_back(root: Path, files: dict, old: dict, plan: Plan, rollout: Rollout, touched: list,
+               cause: CliError) -> None:
+    """The previous tree back, the proxy reloaded onto it, the workers already restarted rolled back one at a time;
+    raises the failure (``cause``) with what was rolled back."""
+    what = getattr(cause, "what", str(cause))      # a failed canary's own words, without the advice to re-apply
+    warn(f"rolling back: {what}")
+    write_tree(root, old)
+    for rel in files:
+        if rel not in old:
+            (root / rel).unlink(missing_ok=True)
+    systemctl("daemon-reload")
+    if proxy_reloadable(files, old):
+        systemctl("reload", C.PROXY_UNIT, timeout=60)
+    back = [w.instance for w in touched]
+    try:
+        Roll(plan, rollout).run(touched, new=set())
+    except CliError as again:
+        raise CliError(f"{what}\n  the rollback failed too: {again}", 1) from None
+    raise CliError(f"{what}\n  rolled back: {', '.join(back) or 'no worker had restarted'} run the previous "
+                   "settings and engines again; the box serves as before", 1)
+
+
 def apply_files(root: Path, files: dict, plan: Plan, start: bool, restart: bool, ready_timeout: float,
-                rollout: Rollout | None = None) -> int:
-    """``rollout``: how workers restart (rolling.py: one batch at a time, drained); None = all in one call."""
+                rollout: Rollout | None = None, rollback: bool = False) -> int:
+    """``rollout``: how workers restart (rolling.py: one batch at a time, drained); None = all in one call.
+    ``rollback``: when a worker does not come back, put the previous files back and roll the workers already
+    restarted onto them (pdctl upgrade), then fail naming the worker and the cause."""
     old = read_tree(root, files)
     stale = [rel for rel in old if rel not in files]
     changed = affected_units(old, files)
@@ -97,6 +133,12 @@ def apply_files(root: Path, files: dict, plan: Plan, start: bool, restart: bool,
             systemctl("reload", C.PROXY_UNIT, timeout=60)
         workers = [w for w in plan.workers if w.unit in units]
         others = [u for u in units if u not in {w.unit for w in workers}]
+        was_model = _old_model(old)
+        if rollout is not None and workers and was_model and was_model != f"{plan.model} as {plan.served_model_name}":
+            # a worker on the new model would take P or D legs paired with one on the old: never mix them
+            info(f"the model changes ({was_model} -> {plan.model}): every worker restarts together, the box serves "
+                 "nothing until they are back")
+            rollout = None
         if rollout is None:
             others, workers = units, []
         for u in others:
@@ -107,7 +149,13 @@ def apply_files(root: Path, files: dict, plan: Plan, start: bool, restart: bool,
             info(f"rolling restart of {len(workers)} worker(s), {rollout.batch} at a time (drained first; "
                  "`--all-at-once` restarts them together)")
             was = _old_instances(old)
-            Roll(plan, rollout).run(workers, new=({w.instance for w in workers} - was) if was else set())
+            roll = Roll(plan, rollout)
+            try:
+                roll.run(workers, new=({w.instance for w in workers} - was) if was else set())
+            except CliError as exc:
+                if not rollback:
+                    raise
+                _roll_back(root, files, old, plan, rollout, roll.touched, exc)
     elif not active:
         info("starting pd.target")
         r = systemctl("start", "--no-block", C.TARGET_UNIT)

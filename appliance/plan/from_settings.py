@@ -35,7 +35,7 @@ def planner_inputs(s: Settings) -> tuple[Workload, Overrides]:
         tool_call_parser=p["tool_call_parser"], strict_tool_calls=p["strict_tool_calls"],
         structured_outputs_backend=p["structured_outputs_backend"],
         structured_outputs_compact=p["structured_outputs_compact"], responses_store=p["responses_store"],
-        twin_load_s=v["twin"]["load_s"],
+        twin_load_s=v["twin"]["load_s"], twin_version=v["twin"]["version"], twin_fault=v["twin"]["fault"],
         counts_by="the twin's what-if ranking" if s.sources.get("plan.both") == WHAT_IF_SOURCE else "")
     if ov.structured_outputs_compact and ov.structured_outputs_backend not in ("xgrammar", "guidance"):
         from ..settings.config import ConfigError

@@ -66,6 +66,8 @@ class Overrides:
     run_dir: str = str(C.RUN_DIR)  # twin engines write their GPU samples under <run_dir>/twin
     twin_time_scale: float = 1.0   # twin engines: >1 runs the simulated clock faster (demo, tests)
     twin_load_s: float = _d("twin", "load_s")   # twin engines: wall seconds to load before listening
+    twin_version: str = _d("twin", "version")   # twin engines: the release they report (pdctl upgrade)
+    twin_fault: str = _d("twin", "fault")       # twin engines: a fault they start with (drills)
     kv_connector: bool = _d("plan", "kv_connector")  # False: no --kv-transfer-config (decoders re-prefill)
     extra_engine_args: tuple = ()  # appended to every vLLM worker's argv (e.g. --load-format dummy)
     tool_call_parser: str = _d("plan", "tool_call_parser")  # "" = the registry's; "none" = off (worker_argv)

@@ -103,6 +103,10 @@ def twin_argv(role: str, port: int, tp: int, model: ModelProfile, served: str, w
         argv += ["--time-scale", f"{ov.twin_time_scale:g}"]
     if ov.twin_load_s > 0:
         argv += ["--load-s", f"{ov.twin_load_s:g}"]
+    if ov.twin_version:
+        argv += ["--twin-version", ov.twin_version]
+    if ov.twin_fault:
+        argv += ["--fault", ov.twin_fault]
     return tuple(argv)
 
 

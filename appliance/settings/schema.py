@@ -217,6 +217,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "twin": {
         "load_s": Key(float, 0.0, "twin engines (engine = twin): seconds each takes to load before it listens, as a "
                                   "GPU engine does (weights, CUDA graphs); for rollout drills", "nonnegf"),
+        "version": Key(str, "", "twin engines: the release they report at /version (twin_version); `pdctl upgrade "
+                                "--engine-version` moves it on a simulated box"),
+        "fault": Key(str, "", "twin engines start with this fault (MODE[:ARG] of appliance/twin/faults.py, e.g. "
+                              "http500): a drill for a change whose workers fail their canary ('' = none)"),
     },
     "tui": {
         "refresh_s": Key(float, 1.0, "collector and TUI refresh interval", "posf"),

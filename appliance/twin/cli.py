@@ -122,6 +122,7 @@ def register(subparsers) -> None:
     e.add_argument("--block-size", type=int, default=_d("plan", "block_size"))
     e.add_argument("--load-s", type=float, default=0.0, help="wall seconds the engine takes to load before it "
                    "listens (a GPU engine takes minutes: weights, CUDA graphs, KV allocation)")
+    e.add_argument("--twin-version", default="", help="the release this twin reports at /version (twin_version)")
     e.add_argument("--fault", default="none", help="start with a fault: MODE[:ARG] (see appliance.twin.faults)")
     e.add_argument("--setup", choices=sorted(SETUP_NAMES), default="seed",
                    help="cost parameters, as pdctl twin simulate --setup: seed = --enforce-eager + the seed's proxy "
@@ -192,7 +193,8 @@ def cmd_engine(a) -> int:
     opts = EngineOptions(role=a.role, host=a.host, port=a.port, hardware=a.hardware, model=a.model, kv=a.kv,
                          kv_http=a.kv_http, time_scale=a.time_scale, served_model_name=a.served_model_name,
                          gpu_index=a.gpu_index or 0, state_file=state, max_model_len=a.max_model_len,
-                         engine=cfg, fault=a.fault, setup=a.setup, load_s=max(0.0, a.load_s))
+                         engine=cfg, fault=a.fault, setup=a.setup, load_s=max(0.0, a.load_s),
+                         twin_version=a.twin_version)
     try:
         run(opts)
     except (ValueError, HardwareError, ModelError) as exc:

@@ -61,6 +61,7 @@ class EngineOptions:
     setup: str = "seed"
     fault: str = "none"
     load_s: float = 0.0                      # wall seconds before it listens (a GPU engine's model load)
+    twin_version: str = ""                   # the release it reports at /version (pdctl upgrade drills)
 
 
 class _Live:

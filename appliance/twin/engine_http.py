@@ -84,7 +84,8 @@ class EngineSurface:
         return empty(200)
 
     async def version(self, _: Request) -> Response:
-        return json_response({"version": VLLM_VERSION})
+        return json_response({"version": VLLM_VERSION, **({"twin_version": self.opts.twin_version}
+                                                          if self.opts.twin_version else {})})
 
     async def models(self, _: Request) -> Response:
         return json_response(OJ.models(self.eng.name, self.eng.model.hf_id, self.opts.max_model_len,

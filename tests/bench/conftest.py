@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ class Standin:
             time.sleep(0.02)
         self.port = int(open(pf).read())
         self.url = f"http://127.0.0.1:{self.port}"
+        shutil.rmtree(self.dir, ignore_errors=True)     # only the port file lived there
 
     def log(self) -> dict:
         with urllib.request.urlopen(self.url + "/_log", timeout=5) as r:

@@ -63,14 +63,14 @@ def lost(res: dict) -> int:
                                                    "other", "done_after_error"))
 
 
-def apply_under_load(box, env: dict, load_s: float, *flags: str) -> tuple:
+def apply_under_load(box, env: dict, load_s: float, *flags: str, verb: str = "apply") -> tuple:
     """(apply's output, load result, OutWatch, apply seconds): the load starts 3 s before the apply and runs
     ``load_s`` (past the apply's end, unless a slow machine makes the apply longer: then its end goes unloaded)."""
     load = Load(box, model(box), RATE, load_s, max_tokens=MAX_TOKENS, check_text=True)
     time.sleep(3.0)
     watch = OutWatch(box)
     t0 = time.monotonic()
-    r = box.run([PDCTL, "apply", *flags], timeout=900, env=env)
+    r = box.run([PDCTL, verb, *flags], timeout=900, env=env)
     took = time.monotonic() - t0
     watch.done()
     res = load.result()
@@ -93,7 +93,7 @@ def box(installed):
 def test_rolling_apply_of_every_worker_loses_nothing_and_keeps_three_of_four_serving(box):
     workers = [w["instance"] for w in json.loads(box.read("/etc/pdctl/plan.json"))["workers"]]
     r, res, watch, took = apply_under_load(box, {"PDCTL_TWIN_LOAD_S": f"{LOAD_S:g}", "PDCTL_PLAN_MAX_NUM_SEQS": "96"},
-                                           8 * LOAD_S + 60)
+                                           6 * LOAD_S + 40)
     out = r.stdout + r.stderr
     ROLLOUT["rolling"] = {"apply_s": round(took, 1), "sent": res["sent"], "ok": res["ok"], "lost": lost(res),
                           "migrated": res.get("migrated"), "most_out": watch.most, "samples": watch.samples}
@@ -125,3 +125,45 @@ def test_all_at_once_apply_is_what_the_rolling_one_saves(box):
     assert watch.most == 4, f"every worker restarts at once: {watch.most} seen out together"
     assert lost(res) > 0 or res.get("max_s", 0) > LOAD_S, \
         f"a box without any worker for {LOAD_S:g} s cost the clients nothing? {res}"
+
+
+def releases(box) -> dict:
+    """Each worker's twin release, from its own /version."""
+    out = {}
+    for w in plan(box)["workers"]:
+        code, body = curl(box, f"http://127.0.0.1:{w['port']}/version")
+        out[w["instance"]] = json.loads(body).get("twin_version", "") if code == 200 else f"HTTP {code}"
+    return out
+
+
+def test_upgrade_moves_every_worker_to_the_new_release_losing_nothing(box):
+    r, res, watch, took = apply_under_load(box, {}, 6 * LOAD_S + 40, "--engine-version", "twin-2", verb="upgrade")
+    out = r.stdout + r.stderr
+    ROLLOUT["upgrade"] = {"apply_s": round(took, 1), "sent": res["sent"], "lost": lost(res), "most_out": watch.most}
+    print("UPGRADE", json.dumps(ROLLOUT["upgrade"]), "\n" + out[-2500:])
+    assert r.returncode == 0 and "upgraded to twin-2" in out, out[-3000:]
+    assert set(releases(box).values()) == {"twin-2"}, releases(box)
+    assert watch.most == 1 and lost(res) == 0, (watch.most, res)
+    rec = json.loads(box.read("/var/lib/pdctl/upgrade.json"))
+    assert rec["outcome"] == "done" and rec["to"] == {"version": "twin-2"}, rec
+
+
+def test_an_upgrade_whose_first_worker_fails_its_canary_rolls_back(box):
+    """The new release's engines answer every generation with a 500 ([twin] fault http500): the first worker fails
+    its canary, every file goes back, it restarts on the old release, and the clients never saw it."""
+    r, res, watch, took = apply_under_load(box, {"PDCTL_TWIN_FAULT": "http500"}, 5 * LOAD_S + 40,
+                                           "--engine-version", "twin-3", verb="upgrade")
+    out = r.stdout + r.stderr
+    ROLLOUT["upgrade_rolled_back"] = {"apply_s": round(took, 1), "sent": res["sent"], "lost": lost(res),
+                                      "most_out": watch.most, "rc": r.returncode}
+    print("UPGRADE_ROLLED_BACK", json.dumps(ROLLOUT["upgrade_rolled_back"]), "\n" + out[-2500:])
+    first = plan(box)["workers"][0]["instance"]
+    assert r.returncode == 1, out[-3000:]
+    assert "upgrade to twin-3 stopped" in out and f"{first} failed its canary" in out and "HTTP 500" in out, out[-3000:]
+    assert f"rolled back: {first} run the previous settings" in out, out[-3000:]
+    assert set(releases(box).values()) == {"twin-2"}, releases(box)
+    toml = box.read("/etc/pdctl/pdctl.toml")
+    assert 'version = "twin-2"' in toml and 'fault = ""' in toml, toml
+    assert watch.most == 1 and lost(res) == 0, (watch.most, res)
+    assert json.loads(box.read("/var/lib/pdctl/upgrade.json"))["outcome"] == "rolled back"
+    assert not any(b.get("drained") for b in proxy_status(box)["backends"])

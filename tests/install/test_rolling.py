@@ -2,7 +2,7 @@
 [rollout] settings. (The rollout itself runs against real systemd: tests/faults/test_rollout_systemd.py.)"""
 from __future__ import annotations
 
-from appliance.install.rolling import Rollout, room_for
+from appliance.install.rolling import Rollout, irreplaceable, room_for
 from appliance.settings.schema import default
 
 
@@ -39,3 +39,10 @@ def test_settings_come_from_the_rollout_section():
                                             "capacity_wait_s": 0.0}}, force=True)
     assert (ro.batch, ro.drain_timeout_s, ro.ready_timeout_s, ro.capacity_wait_s, ro.force) == (2, 5.0, 30.0, 0.0, True)
     assert Rollout.from_settings({}).batch == default("rollout", "batch") == 1
+
+
+def test_a_one_decoder_plan_cannot_wait_for_room_that_never_comes():
+    st = {"backends": [b("prefill-0", "prefill"), b("decode-0")]}
+    assert irreplaceable(st, ["decode-0"]) and not irreplaceable(st, ["prefill-0"])
+    st = {"backends": [b("decode-0"), b("decode-1", state="open")]}       # down now, but it will be back
+    assert not irreplaceable(st, ["decode-0"])

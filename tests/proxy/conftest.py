@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ class EngineProc:
             time.sleep(0.02)
         self.port = int(open(pf).read())
         self.url = f"http://127.0.0.1:{self.port}"
+        shutil.rmtree(self.dir, ignore_errors=True)     # only the port file lived there (2,000 were left in /tmp)
         return self
 
     def call(self, path: str, body: dict | None = None) -> dict:
