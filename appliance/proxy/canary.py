@@ -39,7 +39,9 @@ async def canary_once(server) -> bool:
     raw = json.dumps(body).encode()
     rid = new_request_id()
     kv = None
-    if server.policy.prefill:
+    # a rollout may hold every prefiller out (control.py): the box then serves requests whole, and so does the canary,
+    # so /ready stays true through a rolling restart
+    if any(not b.breaker.drained for b in server.policy.prefill):
         pr = await server.legs.prefill("/v1/completions", prefill_body(body), rid, chars=len(body["prompt"]))
         if isinstance(pr, (ProxyError, Passthrough)):
             why = pr.message if isinstance(pr, ProxyError) else f"prefill HTTP {pr.status}: {pr.body[:120]!r}"

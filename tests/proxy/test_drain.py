@@ -9,6 +9,9 @@ import httpx
 
 from appliance import constants as C
 
+from appliance.proxy.canary import canary_once
+
+from .conftest import make_cfg
 from .test_migration_twin import PROMPT, answer, cfg, fault, run, twins  # noqa: F401 (twins: a fixture)
 
 
@@ -98,3 +101,18 @@ async def test_an_unwritable_secret_path_leaves_the_proxy_serving(twins, proxy_f
     async with httpx.AsyncClient(timeout=30) as c:
         r = await c.post(px.url + "/v1/completions", json={"model": "twin-m", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200
+
+
+async def test_with_its_only_prefiller_drained_the_box_stays_ready(twins, proxy_factory, tmp_path):
+    """A rollout restarting the one prefiller: requests are served whole, and the readiness canary too (a load
+    balancer must not take the box out for minutes while a GPU prefiller reloads)."""
+    path = tmp_path / "control.token"
+    px = await proxy_factory(make_cfg([twins[0]], [twins[1]], control_token_file=str(path), canary_interval_s=60,
+                                      on_prefill_failure="decode", first_byte_timeout_s=30.0,
+                                      prefill_timeout_s=30.0))
+    assert await canary_once(px.server)
+    r = await acontrol(px, path.read_text().strip(), {"worker": "prefill-0", "drain": True})
+    assert r.status_code == 200
+    legs = dict(px.server.backends[0].legs)
+    assert await canary_once(px.server), px.server.canary
+    assert px.server.backends[0].legs == legs, "the drained prefiller got the canary's P leg"
