@@ -41,13 +41,13 @@ def _old_instances(old: dict) -> set:
     return set()
 
 
-def _old_model(old: dict) -> str | None:
-    """The model (and the name clients use) of the plan.json the tree held before this apply."""
+def _old_served_name(old: dict) -> str | None:
+    """The model name clients used with the plan.json the tree held before this apply."""
     for rel, f in old.items():
         if rel.endswith("plan.json"):
             try:
                 p = json.loads(f.text)
-                return f"{p['model']} as {p.get('served_model_name', p['model'])}"
+                return p.get("served_model_name", p["model"])
             except (ValueError, KeyError, TypeError, AttributeError):
                 return None
     return None
@@ -133,11 +133,13 @@ def apply_files(root: Path, files: dict, plan: Plan, start: bool, restart: bool,
             systemctl("reload", C.PROXY_UNIT, timeout=60)
         workers = [w for w in plan.workers if w.unit in units]
         others = [u for u in units if u not in {w.unit for w in workers}]
-        was_model = _old_model(old)
-        if rollout is not None and workers and was_model and was_model != f"{plan.model} as {plan.served_model_name}":
-            # a worker on the new model would take P or D legs paired with one on the old: never mix them
-            info(f"the model changes ({was_model} -> {plan.model}): every worker restarts together, the box serves "
-                 "nothing until they are back")
+        was_name = _old_served_name(old)
+        if rollout is not None and workers and was_name and was_name != plan.served_model_name:
+            # clients asking for the new name would reach workers that still serve the old one (404): never mix
+            # them. A new model under the same name rolls: LMCache keys its chunks by model, so a P leg on the new
+            # model and a D leg on the old one miss and recompute, never mix the two's KV
+            info(f"the name clients use changes ({was_name} -> {plan.served_model_name}): every worker restarts "
+                 "together, the box serves nothing until they are back")
             rollout = None
         if rollout is None:
             others, workers = units, []
