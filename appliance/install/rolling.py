@@ -23,6 +23,7 @@ from pathlib import Path
 from .. import constants as C
 from ..errors import CliError
 from ..settings.schema import default as _d
+from ..settings.schema import schema_fields
 from ..wire.fetch import fetch_sync
 from .host import info, systemctl, unit_state, warn
 from .readiness import UnitFailed, failed_for_good
@@ -32,19 +33,19 @@ HEARTBEAT_S = 5.0      # a progress line at least this often while a step waits
 CANARY_TRIES_S = 30.0  # a restarted worker's canary is tried again for this long (an engine settling after READY)
 
 
+ROLLOUT_KEYS = {"rollout": ("batch", "drain_timeout_s", "ready_timeout_s", "capacity_wait_s")}
+
+
 @dataclass(frozen=True)
+@schema_fields(ROLLOUT_KEYS)
 class Rollout:
-    batch: int = _d("rollout", "batch")
-    drain_timeout_s: float = _d("rollout", "drain_timeout_s")
-    ready_timeout_s: float = _d("rollout", "ready_timeout_s")
-    capacity_wait_s: float = _d("rollout", "capacity_wait_s")
+    """[rollout] batch, drain_timeout_s, ready_timeout_s, capacity_wait_s (fields from the schema) and --force."""
     force: bool = False               # go on when the others lack room after capacity_wait_s
 
     @classmethod
     def from_settings(cls, values: dict, force: bool = False) -> "Rollout":
         r = values.get("rollout", {})
-        return cls(**{k: r[k] for k in ("batch", "drain_timeout_s", "ready_timeout_s", "capacity_wait_s") if k in r},
-                   force=force)
+        return cls(**{k: r[k] for k in ROLLOUT_KEYS["rollout"] if k in r}, force=force)
 
 
 def room_for(status: dict, out: list, per_worker: int) -> str:
