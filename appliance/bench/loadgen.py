@@ -65,6 +65,16 @@ def _error_code(raw: bytes) -> str:
     return code if isinstance(code, str) else ""
 
 
+def _error_message(raw: bytes) -> str:
+    """``error.message`` of a body in OpenAI's error shape ("" when it is not one)."""
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    msg = err.get("message") if isinstance(err, dict) else None
+    return msg if isinstance(msg, str) else ""
+
+
 def _overloaded(raw: bytes) -> bool:
     """The body is OpenAI's error shape with the code ``server_overloaded``."""
     return _error_code(raw) == OVERLOADED_CODE
@@ -216,7 +226,8 @@ async def _one(pool: Pool, path: str, body: dict, res: RequestResult, t0: float,
                     res.limited = code[len("rate_limit_"):]       # the key's own limit: the caller's, not the box's
                     res.refusal_s = time.perf_counter() - start
                     res.retry_after = conn.headers.get("retry-after")
-                    res.error = f"limited: HTTP 429 {code}, Retry-After {res.retry_after}"
+                    res.error = (f"limited: HTTP 429 {code}, Retry-After {res.retry_after}: "
+                                 f"{_error_message(raw)[:300]}")
                     return
                 if conn.status in REFUSAL_STATUSES and code == OVERLOADED_CODE:
                     res.refused = True          # a measurement: never retried

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import Counter
+from collections import Counter, deque
 from typing import Callable, Optional
 
 from .admit import Ask, Policy, Rates
@@ -47,13 +47,20 @@ class Shares:
     Tenants asking: those with streams running or requests waiting. One tenant alone (no keys, or one key
     asking) is never held back. Clock-free: the caller passes the time."""
 
-    def __init__(self, half_life_s: float = 10.0, margin: float = 1.25, slack: int = 2, recent_s: float = 5.0):
+    LATELY_MAX = 4096     # asks kept per tenant for the short window (a flood's rate is read from the newest ones)
+
+    def __init__(self, half_life_s: float = 10.0, margin: float = 1.25, slack: int = 2, recent_s: float = 5.0,
+                 rise_s: float = 4.0):
         self.half_life_s, self.margin, self.slack, self.recent_s = half_life_s, margin, slack, recent_s
+        self.rise_s = rise_s
         self.capacity = 0.0           # streams the box holds within the TPOT target (the caller sets it)
         self._asks: dict = {}         # tenant -> (decayed count of its requests, when)
+        self._first: dict = {}        # tenant -> when it first asked (the decayed count's start)
+        self._lately: dict = {}       # tenant -> its asks within the last ``rise_s`` (times, oldest first)
         self._starts: dict = {}       # tenant -> (decayed count of its starts, when)
         self._duration: dict = {}     # tenant -> mean seconds its streams lasted (moving average)
         self._waited: dict = {}       # tenant -> when one of its requests last had to wait
+        self._bucket: dict = {}       # tenant -> (starts it may make now, when counted): ``paced``
 
     def _decayed(self, d: dict, tenant: str, now: float) -> float:
         v, at = d.get(tenant, (0.0, now))
@@ -62,6 +69,9 @@ class Shares:
     def asked(self, tenant: str, now: float) -> None:
         """A request of ``tenant`` came to the gate (started, waited or refused alike)."""
         self._asks[tenant] = (self._decayed(self._asks, tenant, now) + 1.0, now)
+        self._first.setdefault(tenant, now)
+        lately = self._lately.setdefault(tenant, deque(maxlen=self.LATELY_MAX))
+        lately.append(now)
 
     def started(self, tenant: str, now: float) -> None:
         self._starts[tenant] = (self._decayed(self._starts, tenant, now) + 1.0, now)
@@ -76,8 +86,21 @@ class Shares:
         self._waited[tenant] = now
 
     def rate(self, tenant: str, now: float) -> float:
-        """Requests per second ``tenant`` asked lately (a decayed count's steady state is rate x half-life / ln 2)."""
-        return self._decayed(self._asks, tenant, now) * math.log(2) / self.half_life_s
+        """Requests per second ``tenant`` asked lately, never read low while its asking rises: the larger of the
+        decayed count over the time it has been counted (a decayed count reaches rate x half-life / ln 2 only
+        after a few half-lives: read plainly, a tenant 16 s into its traffic looks a third slower than it is, and
+        what is kept for it falls short just when its first streams end) and its asks of the last ``rise_s``
+        (a tenant back from a pause, or asking more)."""
+        h = self.half_life_s
+        seen = max(now - self._first.get(tenant, now), self.rise_s)
+        counted = self._decayed(self._asks, tenant, now) * math.log(2) / (h * (1.0 - 0.5 ** (seen / h)))
+        lately = self._lately.get(tenant)
+        if not lately:
+            return counted
+        while lately and lately[0] <= now - self.rise_s:
+            lately.popleft()
+        span = self.rise_s if len(lately) < self.LATELY_MAX else max(now - lately[0], 1e-3)
+        return max(counted, len(lately) / span)
 
     def need(self, tenant: str, now: float) -> float:
         """Streams ``tenant`` runs at the rate it asks (Little's law), with the margin and slack; before one of its
@@ -86,24 +109,54 @@ class Shares:
             return math.inf
         return self.rate(tenant, now) * self._duration[tenant] * self.margin + self.slack
 
-    def owed(self, tenant: str, running: dict, waiting, weights: dict, now: float) -> int:
-        """Streams to keep free for the other tenants asking before ``tenant`` takes one more: each one behind it
-        in the fair order (fewer streams for its weight) is owed what it needs, up to its weighted share of the
-        box's streams (all of that share while one of its requests waited within ``recent_s``: what it asks now
-        is more than its rate says), less what it runs. A tenant ahead of its share is owed nothing."""
+    def _wants(self, tenant: str, running: dict, waiting, weights: dict, now: float) -> dict:
+        """What each tenant asking behind ``tenant`` in the fair order (fewer streams for its weight) wants kept
+        for it: what it needs, up to its weighted share of the box's streams (all of that share while one of its
+        requests waited within ``recent_s``: what it asks now is more than its rate says)."""
         active = {t for t, n in running.items() if n > 0} | set(waiting) | {tenant}
         if len(active) < 2:
-            return 0
+            return {}
         w = sum(weights.get(t, 1.0) for t in active)
         mine = (running.get(tenant, 0) + 1) / weights.get(tenant, 1.0)
-        out = 0.0
+        out = {}
         for t in active - {tenant}:
             if (running.get(t, 0) + 1) / weights.get(t, 1.0) < mine:
                 share = self.capacity * weights.get(t, 1.0) / w
                 hurt = now - self._waited.get(t, -math.inf) <= self.recent_s
-                want = share if hurt else min(self.need(t, now), share)     # one that just waited: all its share
-                out += max(0.0, want - running.get(t, 0))
-        return math.ceil(out)
+                out[t] = share if hurt else min(self.need(t, now), share)     # one that just waited: all its share
+        return out
+
+    def owed(self, tenant: str, running: dict, waiting, weights: dict, now: float) -> int:
+        """Streams to keep free for the other tenants asking before ``tenant`` takes one more: what each one behind
+        it wants (``_wants``) less what it runs. A tenant ahead of its share is owed nothing."""
+        wants = self._wants(tenant, running, waiting, weights, now)
+        return math.ceil(sum(max(0.0, want - running.get(t, 0)) for t, want in wants.items()))
+
+    def paced(self, tenant: str, running: dict, waiting, weights: dict, now: float) -> bool:
+        """Whether ``tenant`` must wait a moment before its next start: a tenant with others asking behind it
+        starts at most the streams left to it (the box's less what those behind want) per stream lifetime, a
+        few at once. Why: streams started together end together, and a wave of them (a batch job arriving into a
+        box whose room had been kept for others takes that whole room in one instant) loads the prefill side at
+        once, raises every stream's TPOT (the learnt room shrinks under streams already running) and frees the
+        room again in one instant a stream lifetime later, each time just as another tenant's requests come."""
+        wants = self._wants(tenant, running, waiting, weights, now)
+        if not wants:
+            return False
+        life = self._duration.get(tenant) or max(self._duration.values(), default=0.0)
+        if life <= 0:
+            return False
+        left = max(1.0, self.capacity - sum(wants.values()))
+        rate, burst = left / life, max(2.0, left / 8.0)
+        tokens, at = self._bucket.get(tenant, (burst, now))
+        tokens = min(burst, tokens + (now - at) * rate)
+        self._bucket[tenant] = (tokens, now)
+        return tokens < 1.0
+
+    def took(self, tenant: str) -> None:
+        """A start ``paced`` let through (one of the bucket's tokens)."""
+        if tenant in self._bucket:
+            tokens, at = self._bucket[tenant]
+            self._bucket[tenant] = (tokens - 1.0, at)
 
     def target_scale(self, tenant: str, running: dict, waiting, weights: dict, now: float) -> float:
         """1, or the tenant's weighted share over the share of the recent starts it took, when it took more than

@@ -164,13 +164,13 @@ class Gate:
             return v
         decoders = [b for b in self.s.backends if b.spec.role in ("decode", "both") and b.breaker.allows()]
         self.shares.capacity = self.capacity()
-        owed = self.shares.owed(ask.tenant, self.running, self.queue.tenants(), self.weights, now)
-        if owed <= 0:
-            return v
+        waiting = self.queue.tenants()
+        owed = self.shares.owed(ask.tenant, self.running, waiting, self.weights, now)
         free = self.shares.capacity - sum(b.inflight + b.reserved_streams for b in decoders)
-        if free - 1 >= owed:
-            return v
-        return A.Verdict(A.QUEUE, A.R_SHARE, v.ttft_s)
+        if (owed > 0 and free - 1 < owed) or self.shares.paced(ask.tenant, self.running, waiting, self.weights, now):
+            return A.Verdict(A.QUEUE, A.R_SHARE, v.ttft_s)
+        self.shares.took(ask.tenant)
+        return v
 
     def _ticket(self, now: float, rt, tenant: str = "") -> Ticket:
         t = Ticket(self, now, tenant=tenant)
