@@ -196,6 +196,10 @@ class TwinEngine:
                 seq.payload.token()
                 if self.opts.role == "both" and seq.preemptions == 0:
                     self._store_once(seq)     # kv_both stores the prompt once its prefill is done
+                n = kvpath.consumer_store_tokens(self.cost, self.opts.role, seq.prompt_len) if self.kv else 0
+                if n and seq.preemptions == 0:   # a consumer that stores: the link time and the held blocks (its
+                    seq.stored_at = kvpath.store(self.cost, loop.time() / self.scale, n,   # type: ignore[attr-defined]
+                                                 self.link_out)[0]                       # chunks are there already)
             for seq in plan.finished:
                 seq.payload.finish("length")
                 self._on_finished(seq)
@@ -247,6 +251,16 @@ class TwinEngine:
     def _on_finished(self, seq: Seq) -> None:
         if self.opts.role in ("prefill", "both"):
             self._store_once(seq)
+        stored_at = getattr(seq, "stored_at", 0.0) * self.scale
+        if stored_at > asyncio.get_running_loop().time():   # vLLM frees the blocks once the store is done
+            held = seq.prompt_len + seq.gen
+            self.core.hold(held)
+            self._spawn(self._release_at(stored_at, held))
+
+    async def _release_at(self, when: float, held: int) -> None:
+        await asyncio.sleep(max(0.0, when - asyncio.get_running_loop().time()))
+        self.core.release_held(held)
+        self._work.set()
 
     def _store_once(self, seq: Seq) -> None:
         if self.kv is not None and not getattr(seq, "stored", False):
