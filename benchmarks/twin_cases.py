@@ -5,8 +5,8 @@ command (``python benchmarks/twin_calibration.py``); these measured numbers are 
 
 Every case is one measured sweep: a topology, a workload, the rates asked, and per rate what the client saw
 (delivered req/s, TTFT p50/p95 s, TPOT p50 ms, E2E p50 s). Sources (each fixture names its run and commands):
-- the seed's published 1P2D table (3x A100-80GB, DeepSeek-V2-Lite; reference/seed-runbooks.md): the only A100
-  data, so it is ``fit``;
+- the seed's published 1P2D and 1P1D tables (3x / 2x A100-80GB, DeepSeek-V2-Lite, P50 profile;
+  reference/seed-runbooks.md): the only A100 data, so both are ``fit``;
 - the real 2x H200 run (tests/twin/fixtures/h200_1p1d_real.json, docs/gpu-run.md): 1P1D (``fit``: it pins the
   load latency and the shared-prefix reads of a decoder) and the aggregated engine (``check``);
 - the one-H200 soft-roles run (fixtures/h200_1x_soft_real.json): one engine with and without the LMCache
