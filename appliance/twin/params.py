@@ -11,6 +11,16 @@ Three kinds, kept apart because they belong to different things:
 
 ``CostParams.for_setup(setup, hardware)`` assembles one set. ``benchmarks/twin_calibration.py`` shows which
 measurement pins each fitted value, and checks the result on measurements no value was fitted on.
+
+Which setup where (issue 30): wherever the twin stands in for what pdctl runs (the twin engines of the demo,
+``install --simulate`` and the twin stack; the simulator's default; the planner's family ranking, what-if and
+admission prior) it runs ``PDCTL_SETUP`` on every hardware profile; ``SEED_SETUP`` only reproduces the seed's own
+runs (its tables in ``benchmarks/twin_calibration.py``, scripts that replay the seed's stack). On a GPU with no fit
+of its own (A100, H100, B200) the pdctl setup keeps that GPU's kernel efficiencies (``mfu``, ``attn_mfu``,
+``mem_eff``: the A100 values are fitted on the seed's eager tables; eager mode launches the same kernels one by one,
+so their achieved FLOP/s and bandwidth carry over, and its cost per step is ``step_overhead_s``, kept apart) and
+takes the software stack's terms from the pdctl setup: CUDA graphs' step overhead, the API server, the connector,
+the telemetry wait (host-side times, carried over as seconds) and LMCache 0.5.3's store as a share of the link.
 """
 from __future__ import annotations
 
@@ -21,7 +31,9 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class CostParams:
-    """Efficiency factors and latencies. Defaults are the ``seed`` setup on its A100 (``for_setup("seed")``)."""
+    """Efficiency factors and latencies. The field defaults are the ``seed`` setup on its A100
+    (``for_setup("seed")``, the base every setup and hardware fit modifies); what pdctl runs is
+    ``for_setup(PDCTL_SETUP, hardware)``."""
     mfu: float = 0.567               # achieved/peak BF16 FLOP/s of the GEMMs (every new token); fitted per GPU
     attn_mfu: float = 0.567          # achieved/peak in prefill attention (token x context pairs); per GPU. The A100
     #                                  seed table has one prompt shape, so there it cannot be told from mfu
@@ -62,14 +74,19 @@ class CostParams:
         return replace(self, **kw)
 
     @classmethod
-    def for_setup(cls, setup: str = "seed", hardware: str = "") -> "CostParams":
-        """Parameters for a named setup (``SETUPS``) with the fitted efficiencies of ``hardware`` if any."""
+    def for_setup(cls, setup: str = "pdctl", hardware: str = "") -> "CostParams":
+        """Parameters for a named setup (``SETUPS``; by default pdctl's own) with the fitted efficiencies of
+        ``hardware`` if any."""
         if setup not in SETUPS:
             raise ValueError(f"unknown setup {setup!r}: use one of {', '.join(SETUPS)}")
         s = SETUPS[setup]
         p = cls(step_overhead_s=STEP_OVERHEAD_S[s.engine_mode], store_notify_s=STORE_NOTIFY_S[s.notify_source],
                 engine_mode=s.engine_mode, notify_source=s.notify_source, prefix_cache=s.prefix_cache, **s.values)
         return replace(p, **HARDWARE_FITS.get(hardware, {}))
+
+
+PDCTL_SETUP = "pdctl"   # what pdctl runs: the twin's default wherever it stands in for pdctl's plan
+SEED_SETUP = "seed"     # the seed's stack: for reproducing the seed's own tables
 
 
 STEP_OVERHEAD_S = {
