@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.policy.admit import Policy  # noqa: E402
-from appliance.plan.families import plan_workload  # noqa: E402
+from appliance.plan.families import plan_workload, rank_params  # noqa: E402
 from appliance.twin.simulator import simulate  # noqa: E402
 from benchmarks.policy_study import WORKLOADS, goodput, variants  # noqa: E402
 
@@ -68,7 +68,7 @@ def run(hardware, model, v, wl, work, rate: float, window_s: float, seed: int) -
     _, p, d, b, pol, mode = v
     adm = Policy(mode=mode, ttft_slo_s=work.ttft_slo_s, tpot_slo_s=work.tpot_slo_ms / 1000.0)
     return simulate(hardware, model, p, d, wl, [rate], num_prompts=max(1, round(window_s * rate)), policy=pol,
-                    seed=seed, both=b, admission=adm)[0]
+                    seed=seed, both=b, admission=adm, params=rank_params())[0]   # the planner's (issue 30)
 
 
 def in_slo_share(x: dict) -> float:

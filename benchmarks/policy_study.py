@@ -34,7 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.inventory import detect  # noqa: E402
 from appliance.model.profiles import resolve as resolve_model  # noqa: E402
-from appliance.plan.families import PLAN_PROMPTS, PLAN_WINDOW_S, plan_prompts, plan_workload  # noqa: E402
+from appliance.plan.families import (PLAN_PROMPTS, PLAN_WINDOW_S, plan_prompts, plan_workload,  # noqa: E402
+                                     rank_params)
+# Every variant runs the cost parameters the planner ranks with (families.RANK_SETUP: still the seed setup's A100
+# fit, issue 30), so the study compares policies and families on the same engines the plan was chosen on.
+PARAMS = rank_params()
 from appliance.plan.planner import Overrides, Workload as PlanWorkload, make_plan  # noqa: E402
 from appliance.twin.simulator import simulate  # noqa: E402
 
@@ -62,7 +66,8 @@ def variants(hardware: str, gpus: int, model: str, work: PlanWorkload) -> list:
 def run_rate(hardware, model, v, wl, rate, seed):
     _, p, d, b, pol = v
     n = plan_prompts(rate)
-    return simulate(hardware, model, p, d, wl, [rate], num_prompts=n, policy=pol, seed=seed, both=b)[0]
+    return simulate(hardware, model, p, d, wl, [rate], num_prompts=n, policy=pol, seed=seed, both=b,
+                    params=PARAMS)[0]
 
 
 def holds(x: dict, work: PlanWorkload) -> bool:
@@ -98,7 +103,7 @@ def study(hardware: str, gpus: int, model: str, name: str, seed: int, show_rates
         g, _ = goodput(hardware, model, v, wl, work, seed)
         pts = {r: run_rate(hardware, model, v, wl, float(r), seed) for r in show_rates}
         ceil = simulate(hardware, model, v[1], v[2], wl, [60.0], num_prompts=600, policy=v[4], seed=seed,
-                        both=v[3])[0]["request_throughput"]
+                        both=v[3], params=PARAMS)[0]["request_throughput"]
         res[v[0]] = {"goodput": g, "points": pts, "ceiling": ceil, "variant": v}
     return work, res
 
@@ -106,7 +111,7 @@ def study(hardware: str, gpus: int, model: str, name: str, seed: int, show_rates
 def single_engine_ttft_p50(hardware: str, model: str, wl, seed: int) -> float:
     """TTFT p50 at 1 req/s of one aggregated engine (kv_both, the request served whole)."""
     return simulate(hardware, model, 0, 0, wl, [1.0], num_prompts=600, policy="adaptive", seed=seed,
-                    both=1)[0]["p50_ttft_ms"]
+                    both=1, params=PARAMS)[0]["p50_ttft_ms"]
 
 
 def report(name: str, work: PlanWorkload, res: dict, show_rates: tuple, base_ttft1: float) -> str:

@@ -21,9 +21,13 @@ Targets, per case:
 Exit status 1 when a case misses a target or a parameter leaves its plausible range.
 
 How each fitted value is pinned (``--fit`` redoes exactly this; params.py holds the results):
-- A100 (seed table, FIT): step_overhead_s (eager) from TPOT p50 at 1 req/s minus a decode step's memory time
-  (batch from Little's law); mfu = attn_mfu by bisection on the mean delivered at 30/50/60 req/s; store_notify_s
-  minimax on TTFT p50 at 1/2/5/10 req/s.
+- A100 (the seed's 1P2D and 1P1D tables, FIT): step_overhead_s (eager) from 1P2D TPOT p50 at 1 req/s minus a decode
+  step's memory time (batch from Little's law); mfu = attn_mfu by bisection on the 1P2D mean delivered at 30/50/60
+  req/s; store_eff (LMCache 0.4.2: the kv_both decoder re-stores its prompt and holds the blocks until done) by
+  bisection on the 1P1D mean delivered at its saturated rates; store_notify_s minimax on TTFT p50 below saturation
+  of both tables.
+Then, without --case, a PREDICTION from first principles: 16k-token prompts (12k shared), 560-token answers on one
+A100 decoder (1P1D), with its arithmetic; no measured data, nothing to pass or fail.
 - H200 cold probes without the connector (FIT): step_overhead_s (cudagraph) from TPOT at batch 1 minus its
   memory time; then api_overhead_s, 1/mfu and 1/attn_mfu by least squares on TTFT p50 at 2,000/8,000/16,000
   tokens (intercept, linear and square term of the prefill); with the connector (FIT): connector_s from the
@@ -134,10 +138,15 @@ def _mean_err(case: Case, params: CostParams, metric: str) -> float:
     return statistics.fmean((v.ttft_err if metric == "ttft" else v.tpot_err).values())
 
 
-def _minimax_shift(case: Case, params: CostParams, name: str, lo: float, hi: float) -> CostParams:
+def _minimax_shift(cases, params: CostParams, name: str, lo: float, hi: float) -> CostParams:
+    """Shift ``name`` (a latency on every request's TTFT path) to balance the largest TTFT p50 gaps below saturation
+    of one case or of several together."""
+    cases = cases if isinstance(cases, list) else [cases]
     for _ in range(3):
-        v = evaluate(case, params)
-        gaps = [case.measured[r][1] - v.sim[r]["p50_ttft_ms"] / 1e3 for r in v.compared]
+        gaps = []
+        for case in cases:
+            v = evaluate(case, params)
+            gaps += [case.measured[r][1] - v.sim[r]["p50_ttft_ms"] / 1e3 for r in v.compared]
         value = min(max(getattr(params, name) + (max(gaps) + min(gaps)) / 2, lo), hi)
         params = params.with_(**{name: round(value, 4)})
     return params
@@ -172,8 +181,18 @@ def fit_a100(p: CostParams) -> CostParams:
         return statistics.fmean(sim[r]["request_throughput"] for r in ceiling_rates) > target
     mfu = round(_bisect(*PLAUSIBLE["mfu"], too_high, 8), 3)
     p = p.with_(mfu=mfu, attn_mfu=mfu)
-    return _minimax_shift(replace(case, measured={r: case.measured[r] for r in (1.0, 2.0, 5.0, 10.0)}), p,
-                          "store_notify_s", *PLAUSIBLE["store_notify_s"])
+    # the one-decoder box: its ceiling is the decoder's (kv_both) store path, which keeps finished requests' blocks
+    one = find("a100 seed 1P1D, P50")
+    sat = tuple(r for r in one.measured if r not in below_saturation(one))
+    target1 = statistics.fmean(one.measured[r][0] for r in sat)
+    sub1 = replace(one, measured={r: one.measured[r] for r in sat})
+
+    def store_too_fast(eff: float) -> bool:
+        sim = simulate_case(sub1, p.with_(store_eff=eff))
+        return statistics.fmean(sim[r]["request_throughput"] for r in sat) > target1
+    p = p.with_(store_eff=round(_bisect(*PLAUSIBLE["store_eff"], store_too_fast, 12), 3))
+    both = [replace(c, measured={r: c.measured[r] for r in below_saturation(c)}) for c in (case, one)]
+    return _minimax_shift(both, p, "store_notify_s", *PLAUSIBLE["store_notify_s"])
 
 
 def fit_h200(p: CostParams) -> CostParams:
@@ -243,6 +262,54 @@ def report(verdicts: list, out=print) -> None:
             f"| {'OK' if not miss else 'MISS: ' + '; '.join(miss)} |")
 
 
+# ---- a prediction from first principles (no measured data: nothing to pass or fail) ---------------------------------
+LONG = dict(input_len=16000, prefix_len=12000, output_len=560)
+LONG_RATES = (1.0, 2.0, 3.0, 5.0)
+
+
+def predict_long_one_decoder(out=print, num_prompts: int = 300) -> dict:
+    """The seed's stack on 2x A100 (1 prefiller + 1 decoder, seed setup) with 16k-token prompts (12k shared prefix)
+    and 560-token answers: what the twin's physics predicts, with the arithmetic behind it."""
+    from appliance.twin.simulator import Workload
+    hw, m = resolve_hw("a100-80gb"), resolve_model("deepseek-v2-lite")
+    p = CostParams.for_setup("seed", "a100-80gb")
+    cost = CostModel(hw, m, params=p)
+    n, c, o = LONG["input_len"], LONG["prefix_len"], LONG["output_len"]
+    kvb, new = m.kv_bytes_per_token, n - c
+    cap = cost.kv_capacity_tokens()
+    b_kv = min(cost.cfg.max_num_seqs, cap // (n + o))            # decoding sequences the KV cache holds at most
+    ctx = n + o / 2
+    step = cost.decode_step_time(b_kv, int(ctx))
+    gemm_flops = 2 * cost.arch.matmul_active_params * new
+    attn_flops = 2 * cost.arch.attn_width * m.num_layers * prefill_pairs(new, c)
+    load12k = cost.host_transfer_time(c)
+    dstore = cost.store_time(n)
+    out("\nPREDICTION (no measured data; printed, not checked): seed stack, 1P1D on 2x A100-80GB, DeepSeek-V2-Lite, "
+        f"{n:,}-token prompts ({c:,} shared), {o}-token answers")
+    out(f"- prefill of the {new:,} new tokens after {c:,} loaded: GEMMs {gemm_flops / 1e12:.1f} TFLOP + attention "
+        f"{attn_flops / 1e12:.1f} TFLOP (new x cached {new * c / 1e6:.0f} M pairs) at {p.mfu:.3f} of 312 TFLOP/s = "
+        f"{cost.prefill_time(new, c) * 1e3:.0f} ms with the step overhead")
+    out(f"- L1 load of the {c:,}-token prefix: {c * kvb / 1e6:.0f} MB over PCIe Gen4 (32 GB/s x {p.host_link_eff}) = "
+        f"{load12k * 1e3:.1f} ms (Gen5 on H200: {load12k * 1e3 / 2:.1f} ms); the decoder loads all {n - 1:,}: "
+        f"{cost.host_transfer_time(n - 1) * 1e3:.1f} ms")
+    out(f"- decode: KV cache {cap:,} tokens holds {cap // (n + o)} sequences of {n + o:,} (max_num_seqs "
+        f"{cost.cfg.max_num_seqs}); a step at batch {b_kv} reads {m.weights_bytes / 1e9:.1f} GB of weights + "
+        f"{b_kv * ctx * kvb / 1e9:.1f} GB of KV = {step * 1e3:.0f} ms -> at most {b_kv / (o * step):.2f} req/s")
+    out(f"- the kv_both decoder re-stores each {n:,}-token prompt ({n * kvb / 1e6:.0f} MB at store_eff {p.store_eff} "
+        f"= {dstore:.2f} s) and holds its blocks until then -> at most {1 / dstore:.2f} req/s")
+    rows = simulate("a100-80gb", "deepseek-v2-lite", 1, 1, Workload(**LONG), LONG_RATES, num_prompts, "round-robin",
+                    2003, params=p, kv_size_gb=80.0)
+    out("| asked | delivered | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | preemptions |")
+    out("|---|---|---|---|---|---|")
+    for r in rows:
+        out(f"| {r['request_rate']:g} | {r['request_throughput']:.2f} | {r['p50_ttft_ms']:.0f} | {r['p95_ttft_ms']:.0f} "
+            f"| {r['p50_tpot_ms']:.1f} | {r['preemptions']} |")
+    k = knee({float(r["request_rate"]): r["p50_ttft_ms"] / 1e3 for r in rows})
+    out(f"PREDICTION: ceiling {max(r['request_throughput'] for r in rows):.2f} req/s, knee (TTFT p50 > 5 s) at "
+        f"{_k(k)} req/s of {', '.join(f'{x:g}' for x in LONG_RATES)}")
+    return {"rows": rows, "knee": k}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fit", action="store_true", help="refit the fitted parameters first (from the FIT cases)")
@@ -275,6 +342,8 @@ def main() -> int:
           + (f"; MISS: {', '.join(check_miss)}" if check_miss else ""))
     print(f"fitted cases: {'all within every target' if not fit_miss else 'MISS: ' + ', '.join(fit_miss)}")
     print(f"parameters inside plausible ranges: {'OK' if not bad_params else 'OUT: ' + str(bad_params)}")
+    if not a.case:
+        predict_long_one_decoder()
     return 0 if not (fit_miss or check_miss or bad_params) else 1
 
 

@@ -5,8 +5,8 @@ command (``python benchmarks/twin_calibration.py``); these measured numbers are 
 
 Every case is one measured sweep: a topology, a workload, the rates asked, and per rate what the client saw
 (delivered req/s, TTFT p50/p95 s, TPOT p50 ms, E2E p50 s). Sources (each fixture names its run and commands):
-- the seed's published 1P2D table (3x A100-80GB, DeepSeek-V2-Lite; reference/seed-runbooks.md): the only A100
-  data, so it is ``fit``;
+- the seed's published 1P2D and 1P1D tables (3x / 2x A100-80GB, DeepSeek-V2-Lite, P50 profile;
+  reference/seed-runbooks.md): the only A100 data, so both are ``fit``;
 - the real 2x H200 run (tests/twin/fixtures/h200_1p1d_real.json, docs/gpu-run.md): 1P1D (``fit``: it pins the
   load latency and the shared-prefix reads of a decoder) and the aggregated engine (``check``);
 - the one-H200 soft-roles run (fixtures/h200_1x_soft_real.json): one engine with and without the LMCache
@@ -45,6 +45,17 @@ SEED_A100 = {
     30: (11.17, 10.908, 22.395, 60.4, 26.457),
     50: (11.06, 15.530, 30.412, 60.0, 30.758),
     60: (11.21, 16.790, 32.124, 59.6, 31.801),
+}
+# the same, seed 1P1D, 2x A100-80GB (the seed's phase 6; TPOT p50 from its HTML report)
+SEED_A100_1P1D = {
+    1: (0.98, 0.480, 0.633, 41.76, 10.983),
+    2: (1.93, 0.387, 0.481, 41.50, 10.818),
+    5: (4.59, 0.488, 0.733, 48.94, 12.773),
+    10: (5.77, 14.251, 33.280, 60.80, 29.742),
+    20: (6.12, 27.633, 56.056, 58.56, 42.539),
+    30: (6.14, 32.140, 65.472, 57.74, 46.504),
+    50: (6.08, 36.986, 73.607, 58.54, 51.815),
+    60: (5.98, 37.628, 78.078, 57.40, 51.633),
 }
 
 
@@ -86,6 +97,14 @@ def seed_a100() -> Case:
                 Workload(7869, 6000, 252), 600, {float(k): v for k, v in SEED_A100.items()}, prefill=1, decode=2,
                 policy="round-robin", replay=False, kv_size_gb=80.0,
                 pins="step_overhead_s (eager), mfu = attn_mfu (A100), store_notify_s (seed proxy)")
+
+
+def seed_a100_1p1d() -> Case:
+    return Case("a100 seed 1P1D, P50", "fit", "a100-80gb", "deepseek-v2-lite", "seed",
+                Workload(7869, 6000, 252), 600, {float(k): v for k, v in SEED_A100_1P1D.items()}, prefill=1,
+                decode=1, policy="round-robin", replay=False, kv_size_gb=80.0,
+                pins="store_eff (seed, LMCache 0.4.2: the kv_both decoder's store; its ceiling), store_notify_s "
+                     "(with the 1P2D table)")
 
 
 def h200_2x() -> list[Case]:
@@ -134,7 +153,7 @@ def h200_1x() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    return [seed_a100(), *h200_2x(), *h200_soft(), *h200_1x()]
+    return [seed_a100(), seed_a100_1p1d(), *h200_2x(), *h200_soft(), *h200_1x()]
 
 
 def find(name: str, cases: Optional[list] = None) -> Case:

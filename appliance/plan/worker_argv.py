@@ -90,9 +90,10 @@ def twin_hw(gpus: list[GPU], ov: Overrides) -> str:
 def twin_argv(role: str, port: int, tp: int, model: ModelProfile, served: str, work: Workload, ov: Overrides,
               hw: str, gpu_index: int | None, kv_port: int, kv_http: int) -> tuple:
     """The twin engine with every plan knob its cost model has a meaning for (the same values as vllm_argv), so
-    a simulated box runs as configured and a settings change restarts its workers as on GPUs."""
+    a simulated box runs as configured and a settings change restarts its workers as on GPUs; ``--setup pdctl``:
+    it stands in for the vLLM 0.26 engine the plan runs on GPUs (CUDA graphs, prefix caching), not the seed's."""
     argv = [bin_path(ov.venv, "pdctl"), "twin", "engine", "--role", role, "--host", C.LOOPBACK, "--port", str(port),
-            "--hardware", hw, "--model", model.name, "--served-model-name", served,
+            "--hardware", hw, "--setup", "pdctl", "--model", model.name, "--served-model-name", served,
             "--kv", C.loopback_zmq(kv_port), "--kv-http", C.loopback_url(kv_http),
             "--tp", str(tp), "--gpu-memory-utilization", f"{ov.gpu_memory_utilization:.2f}",
             "--max-model-len", str(min(work.max_model_len, model.max_context)), "--block-size", str(ov.block_size),

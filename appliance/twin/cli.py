@@ -13,6 +13,7 @@ from appliance.model.profiles import ModelError
 from appliance.settings.schema import default as _d
 
 from .hardware import PROFILES, HardwareError
+from .params import PDCTL_SETUP
 from .params import SETUPS as SETUP_NAMES
 
 
@@ -97,10 +98,11 @@ def register(subparsers) -> None:
                    help="pdctl policy: skip the P leg when at most this many prompt tokens are uncached")
     s.add_argument("--kv-size-gb", type=float, default=80.0)
     s.add_argument("--seed", type=int, default=2003)
-    s.add_argument("--setup", choices=["auto", *sorted(SETUP_NAMES)], default="auto",
-                   help="engine mode + store-notify source: seed = --enforce-eager + the seed's proxy (the A100 "
-                   "fit); pdctl = CUDA graphs + pdctl telemetry + prefix caching (what pdctl plan runs); "
-                   "auto = pdctl for --policy pdctl, else seed (what pdctl plan ranks families with)")
+    s.add_argument("--setup", choices=sorted(SETUP_NAMES), default=PDCTL_SETUP,
+                   help="cost parameters: pdctl (default) = what pdctl plan runs and ranks families with: vLLM 0.26 "
+                   "CUDA graphs + prefix caching, LMCache 0.5.3, pdctl's telemetry wait, on the GPU's own fit; "
+                   "seed = the seed's stack (vLLM 0.18 --enforce-eager, no prefix caching, LMCache 0.4.2, its "
+                   "proxy): pass it with --policy round-robin to reproduce the seed's tables")
     s.add_argument("--json", action="store_true", help="print a list of vllm-bench-serve-shaped summaries")
     _engine_cfg_args(s)
     s.set_defaults(func=cmd_simulate)
@@ -124,10 +126,10 @@ def register(subparsers) -> None:
                    "listens (a GPU engine takes minutes: weights, CUDA graphs, KV allocation)")
     e.add_argument("--twin-version", default="", help="the release this twin reports at /version (twin_version)")
     e.add_argument("--fault", default="none", help="start with a fault: MODE[:ARG] (see appliance.twin.faults)")
-    e.add_argument("--setup", choices=sorted(SETUP_NAMES), default="seed",
-                   help="cost parameters, as pdctl twin simulate --setup: seed = --enforce-eager + the seed's proxy "
-                   "(the A100 fit, what pdctl plan ranks with); pdctl = CUDA graphs + telemetry + prefix caching + "
-                   "the async connector lookup (the H200 fit)")
+    e.add_argument("--setup", choices=sorted(SETUP_NAMES), default=PDCTL_SETUP,
+                   help="cost parameters, as pdctl twin simulate --setup: pdctl (default, what pdctl runs) = CUDA "
+                   "graphs + prefix caching + the async connector lookup + telemetry, on the GPU's own fit; seed = "
+                   "--enforce-eager, no prefix caching, LMCache 0.4.2 and the seed's proxy (the seed's A100 runs)")
     _engine_cfg_args(e)
     e.set_defaults(func=cmd_engine)
 
@@ -156,7 +158,7 @@ def cmd_simulate(a) -> int:
     from .costmodel import CostParams
     from .hardware import resolve as resolve_hw
     from .simulator import SimError, Workload, simulate
-    setup = a.setup if a.setup != "auto" else ("pdctl" if a.policy == "pdctl" else "seed")
+    setup = a.setup
     alone = a.both and a.prefill is None and a.decode is None   # --both N alone: N engines that do both
     prefill = a.prefill if a.prefill is not None else (0 if alone else 1)
     decode = a.decode if a.decode is not None else (0 if alone else 2)

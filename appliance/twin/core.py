@@ -99,6 +99,7 @@ class EngineCore:
         self.dec_ctx = 0                       # sum of decoding contexts
         self.groups: dict = {}                 # share_key -> [running members, decoding members, shared tokens]
         self.shared_once = 0                   # sum over groups of (decoding members - 1) x shared tokens
+        self.held = 0                          # KV tokens of finished sequences whose store is still running
         self.reread = cost.params.kv_share_reread
         self.step_no = 0
         self.counters = Counters()
@@ -130,6 +131,16 @@ class EngineCore:
         seq.state = "waiting"
         seq.eligible = self.step_no + 2 if defer else 0
         self.waiting.append(seq)
+
+    def hold(self, tokens: int) -> None:
+        """Keep ``tokens`` of KV allocated after their sequence finished (vLLM's delayed free of a request whose
+        connector store is still running); ``release_held`` frees them."""
+        self.kv_used += tokens
+        self.held += tokens
+
+    def release_held(self, tokens: int) -> None:
+        self.kv_used -= tokens
+        self.held -= tokens
 
     def has_deferred(self) -> bool:
         return any(s.eligible > self.step_no for s in self.waiting)

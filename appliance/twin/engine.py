@@ -3,9 +3,10 @@
 The scheduler is ``core.EngineCore`` and the request's way in and out is ``kvpath`` (both the simulator's),
 stepped in real time: each step sleeps its cost-model duration x ``time_scale`` (wall seconds per model
 second; 0.25 runs four times faster than the GPU it imitates). The cost parameters are a named setup
-(``--setup``, as ``pdctl twin simulate``): requests look their prompt's chunk hashes up in the KV server and,
-with the setup's prefix cache, their blocks in the engine's own cache; only what the engine lacks is loaded
-over the simulated host link, and only the rest is prefilled. Prefill (and ``both``) engines store the
+(``--setup``, as ``pdctl twin simulate``; by default pdctl's own, so a twin stack's engines behave as vLLM 0.26
+with prefix caching would, ``seed`` for the seed's vLLM 0.18 eager stack): requests look their prompt's chunk
+hashes up in the KV server and, with the setup's prefix cache, their blocks in the engine's own cache; only what
+the engine lacks is loaded over the simulated host link, and only the rest is prefilled. Prefill (and ``both``) engines store the
 prompt's new chunks after finishing, then, when LMCache's request telemetry env is set, POST
 ``request_store_finished`` like LMCache does (on the wire client). Text is generated filler; token ids are
 ``tokens.tokenize``.
@@ -31,6 +32,7 @@ from ..wire.fetch import fetch, split
 from . import gpus, kvpath, tokens
 from .core import EngineCore, HostLink, Seq
 from .costmodel import CostModel, CostParams, EngineConfig
+from .params import PDCTL_SETUP
 from .engine_metrics import EngineMetrics
 from .faults import Fault
 from .hardware import resolve as resolve_hw
@@ -58,7 +60,7 @@ class EngineOptions:
     max_model_len: int = _d("workload", "max_model_len")
     engine: EngineConfig = field(default_factory=EngineConfig)
     params: Optional[CostParams] = None      # None: CostParams.for_setup(setup, hardware)
-    setup: str = "seed"
+    setup: str = PDCTL_SETUP                 # what pdctl runs; "seed" reproduces the seed's stack
     fault: str = "none"
     load_s: float = 0.0                      # wall seconds before it listens (a GPU engine's model load)
     twin_version: str = ""                   # the release it reports at /version (pdctl upgrade drills)
@@ -196,6 +198,10 @@ class TwinEngine:
                 seq.payload.token()
                 if self.opts.role == "both" and seq.preemptions == 0:
                     self._store_once(seq)     # kv_both stores the prompt once its prefill is done
+                n = kvpath.consumer_store_tokens(self.cost, self.opts.role, seq.prompt_len) if self.kv else 0
+                if n and seq.preemptions == 0:   # a consumer that stores: the link time and the held blocks (its
+                    seq.stored_at = kvpath.store(self.cost, loop.time() / self.scale, n,   # type: ignore[attr-defined]
+                                                 self.link_out)[0]                       # chunks are there already)
             for seq in plan.finished:
                 seq.payload.finish("length")
                 self._on_finished(seq)
@@ -247,6 +253,16 @@ class TwinEngine:
     def _on_finished(self, seq: Seq) -> None:
         if self.opts.role in ("prefill", "both"):
             self._store_once(seq)
+        stored_at = getattr(seq, "stored_at", 0.0) * self.scale
+        if stored_at > asyncio.get_running_loop().time():   # vLLM frees the blocks once the store is done
+            held = seq.prompt_len + seq.gen
+            self.core.hold(held)
+            self._spawn(self._release_at(stored_at, held))
+
+    async def _release_at(self, when: float, held: int) -> None:
+        await asyncio.sleep(max(0.0, when - asyncio.get_running_loop().time()))
+        self.core.release_held(held)
+        self._work.set()
 
     def _store_once(self, seq: Seq) -> None:
         if self.kv is not None and not getattr(seq, "stored", False):

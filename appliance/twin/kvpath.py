@@ -3,7 +3,9 @@
 Into (``admit``): the API server's work, the KV connector's lookup (asynchronous: the request skips one scheduler
 step, ``core.EngineCore.add(defer=True)``), vLLM's own prefix cache, the load of the chunks only the KV server
 holds over the host link, the async-load bookkeeping. Out (``store``): the new KV copied to the KV server over
-the host link, then the ``request_store_finished`` notification. Both drivers
+the host link, then the ``request_store_finished`` notification; a decoder of a setup whose connector stores on
+consumers re-stores its prompt (``consumer_store_tokens``) and keeps a finished request's blocks until that
+store is done. Both drivers
 call these functions with their own clock, so ``pdctl twin engine`` and ``pdctl twin simulate`` charge the
 same terms for the same request.
 """
@@ -68,6 +70,13 @@ def admit(cost: CostModel, now: float, prompt_len: int, store_hit: int, local_hi
         ready += p.kv_load_s
     return Admission(skip, loaded, local, ready, connector and p.async_lookup)
 
+
+
+def consumer_store_tokens(cost: CostModel, role: str, prompt_len: int) -> int:
+    """Tokens a decoder (``role`` "decode") stores once its prompt is in place: the whole prompt where the setup's
+    connector stores on a consumer (``consumer_stores``: LMCache MP before its issue 5143, whose decoders ran
+    ``kv_both`` and re-stored the chunks they had loaded), else none."""
+    return prompt_len if role == "decode" and cost.params.consumer_stores else 0
 
 
 def store(cost: CostModel, now: float, new_tokens: int, link: HostLink) -> tuple[float, float]:

@@ -11,6 +11,16 @@ Three kinds, kept apart because they belong to different things:
 
 ``CostParams.for_setup(setup, hardware)`` assembles one set. ``benchmarks/twin_calibration.py`` shows which
 measurement pins each fitted value, and checks the result on measurements no value was fitted on.
+
+Which setup where (issue 30): wherever the twin stands in for what pdctl runs (the twin engines of the demo,
+``install --simulate`` and the twin stack; the simulator's default; the planner's family ranking, what-if and
+admission prior) it runs ``PDCTL_SETUP`` on every hardware profile; ``SEED_SETUP`` only reproduces the seed's own
+runs (its tables in ``benchmarks/twin_calibration.py``, scripts that replay the seed's stack). On a GPU with no fit
+of its own (A100, H100, B200) the pdctl setup keeps that GPU's kernel efficiencies (``mfu``, ``attn_mfu``,
+``mem_eff``: the A100 values are fitted on the seed's eager tables; eager mode launches the same kernels one by one,
+so their achieved FLOP/s and bandwidth carry over, and its cost per step is ``step_overhead_s``, kept apart) and
+takes the software stack's terms from the pdctl setup: CUDA graphs' step overhead, the API server, the connector,
+the telemetry wait (host-side times, carried over as seconds) and LMCache 0.5.3's store as a share of the link.
 """
 from __future__ import annotations
 
@@ -21,15 +31,18 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class CostParams:
-    """Efficiency factors and latencies. Defaults are the ``seed`` setup on its A100 (``for_setup("seed")``)."""
-    mfu: float = 0.559               # achieved/peak BF16 FLOP/s of the GEMMs (every new token); fitted per GPU
-    attn_mfu: float = 0.559          # achieved/peak in prefill attention (token x context pairs); per GPU. The A100
+    """Efficiency factors and latencies. The field defaults are the ``seed`` setup on its A100
+    (``for_setup("seed")``, the base every setup and hardware fit modifies); what pdctl runs is
+    ``for_setup(PDCTL_SETUP, hardware)``."""
+    mfu: float = 0.567               # achieved/peak BF16 FLOP/s of the GEMMs (every new token); fitted per GPU
+    attn_mfu: float = 0.567          # achieved/peak in prefill attention (token x context pairs); per GPU. The A100
     #                                  seed table has one prompt shape, so there it cannot be told from mfu
     mem_eff: float = 0.80            # achieved/peak HBM bandwidth reading weights and KV; plausible 0.60-0.90
     step_overhead_s: float = 0.0211  # per-step CPU/launch cost; depends on engine_mode (STEP_OVERHEAD_S)
     host_link_eff: float = 0.75      # achieved/peak PCIe of a KV load from the KV server (L1 -> GPU)
-    store_eff: float = 0.75          # achieved/peak PCIe of a KV store (GPU -> L1); measured per LMCache version
-    store_notify_s: float = 0.2306    # store done -> the proxy knows "request_store_finished"; per notify_source
+    store_eff: float = 0.039         # achieved/peak PCIe of a KV store (GPU -> L1), per LMCache version: the seed's
+    #                                  0.4.2 fitted on the one-decoder ceiling (1.25 GB/s), 0.5.3 measured 0.19
+    store_notify_s: float = 0.1851    # store done -> the proxy knows "request_store_finished"; per notify_source
     rpc_s: float = 0.0005            # one ZMQ lookup round trip (reference: ping RTT ~0.4 ms)
     http_hop_s: float = 0.002        # one loopback HTTP hop through the proxy (request or first byte back)
     api_overhead_s: float = 0.005    # an engine's API-server work per request (parse, tokenize, schedule) before
@@ -50,6 +63,9 @@ class CostParams:
     notify_source: str = "seed-proxy"  # how the proxy learns a store finished: "seed-proxy" | "pdctl-telemetry"
     prefix_cache: bool = False       # vLLM's local prefix cache: prompt chunks already on that GPU are neither
     #                                  loaded nor computed, and running sequences share their blocks
+    consumer_stores: bool = True     # a decoder's connector stores the whole prompt it holds (LMCache MP before
+    #                                  the fix of its issue 5143: the seed's kv_both decoders), and vLLM keeps a
+    #                                  finished request's blocks until that store is done (``core.hold``)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,14 +74,19 @@ class CostParams:
         return replace(self, **kw)
 
     @classmethod
-    def for_setup(cls, setup: str = "seed", hardware: str = "") -> "CostParams":
-        """Parameters for a named setup (``SETUPS``) with the fitted efficiencies of ``hardware`` if any."""
+    def for_setup(cls, setup: str = "pdctl", hardware: str = "") -> "CostParams":
+        """Parameters for a named setup (``SETUPS``; by default pdctl's own) with the fitted efficiencies of
+        ``hardware`` if any."""
         if setup not in SETUPS:
             raise ValueError(f"unknown setup {setup!r}: use one of {', '.join(SETUPS)}")
         s = SETUPS[setup]
         p = cls(step_overhead_s=STEP_OVERHEAD_S[s.engine_mode], store_notify_s=STORE_NOTIFY_S[s.notify_source],
                 engine_mode=s.engine_mode, notify_source=s.notify_source, prefix_cache=s.prefix_cache, **s.values)
         return replace(p, **HARDWARE_FITS.get(hardware, {}))
+
+
+PDCTL_SETUP = "pdctl"   # what pdctl runs: the twin's default wherever it stands in for pdctl's plan
+SEED_SETUP = "seed"     # the seed's stack: for reproducing the seed's own tables
 
 
 STEP_OVERHEAD_S = {
@@ -81,8 +102,9 @@ STEP_OVERHEAD_RANGE = {
     "cudagraph": (0.0003, 0.005),  # graph replay + sampler + scheduler, mostly hidden behind the GPU
 }
 STORE_NOTIFY_S = {
-    # fitted to the seed's TTFT: its proxy learned of finished stores late (one cold request logged 1.26 s)
-    "seed-proxy": 0.2306,
+    # fitted to the seed's TTFT (both A100 tables): its proxy learned of finished stores late (one cold request
+    # logged 1.26 s)
+    "seed-proxy": 0.1851,
     # measured on the real 2x H200 run: LMCache "request_store_finished" telemetry reached pdctl's proxy 0-12 ms
     # after the prefill answer; the twin uses the middle of that span (not fitted)
     "pdctl-telemetry": 0.006,
@@ -111,6 +133,8 @@ SETUPS: dict[str, Setup] = {
     # on LMCache telemetry
     "pdctl": Setup("cudagraph", "pdctl-telemetry", True, {
         "async_lookup": True,
+        # LMCache 0.5.3 honours kv_consumer (PR 5148): a decoder looks up and retrieves, never stores
+        "consumer_stores": False,
         # fitted: intercept of TTFT vs prompt length of the cold single-request probes (no connector), less the
         # twin's own hops and step overhead: API server parse + tokenize + detokenize + scheduling
         "api_overhead_s": 0.0135,
@@ -139,7 +163,7 @@ HARDWARE_FITS: dict[str, dict] = {
 
 # The values benchmarks/twin_calibration.py fits (each pinned by a measured case marked FIT there).
 FITTED_NAMES = ("mfu", "attn_mfu", "step_overhead_s", "store_notify_s", "api_overhead_s", "connector_s", "kv_load_s",
-                "kv_share_reread", "connector_seq_s")
+                "kv_share_reread", "connector_seq_s", "store_eff")
 
 
 # Plausible ranges of the fitted/assumed factors (the calibration must stay inside them).
@@ -149,7 +173,9 @@ PLAUSIBLE = {
     "mem_eff": (0.60, 0.90),          # STREAM-like HBM efficiency
     "step_overhead_s": (0.0003, 0.040),  # any mode; check_plausible uses STEP_OVERHEAD_RANGE per mode
     "host_link_eff": (0.60, 0.90),    # pinned-memory PCIe copies
-    "store_eff": (0.10, 0.90),        # LMCache store path: chunked gathers + copies, measured 0.19 (0.5.3 MP)
+    "store_eff": (0.02, 0.90),        # LMCache store path: chunked gathers + copies, measured 0.19 (0.5.3 MP); the
+    #                                   seed's 0.4.2 logged one store done 1.26 s after its prefill answer
+    #                                   (seed-runbooks): ~0.2 GB/s for an 8k-token prompt, below 0.01 of PCIe Gen4
     "kv_load_s": (0.0, 0.060),        # async-load bookkeeping: a few scheduler steps at most
     "connector_s": (0.0, 0.030),      # a few ZMQ round trips and scheduler hooks per request
     "api_overhead_s": (0.001, 0.030),  # HTTP parse + tokenize ~10k tokens + hand-off to the engine core

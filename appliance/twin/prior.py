@@ -30,12 +30,13 @@ def prior_for(cost: CostModel, workload) -> Prior:
 
 
 def prior_for_gpu(gpu_name: str, model, work, tp: int = 1) -> dict:
-    """The prior as plan.json carries it, for a GPU by its NVML name and the planner's Workload; the generic
-    prior (``admit.Prior()``) where the twin has no profile for the GPU or the model."""
+    """The prior as plan.json carries it, for a GPU by its NVML name and the planner's Workload, on pdctl's own
+    setup (what the plan runs); the generic prior (``admit.Prior()``) where the twin has no profile for the GPU or
+    the model."""
     from .costmodel import EngineConfig
     from .hardware import HardwareError
     from .hardware import resolve as resolve_hw
-    from .params import CostParams
+    from .params import PDCTL_SETUP, CostParams
     from .workloads import Workload as SimWorkload
     try:
         hw = resolve_hw(gpu_name) if gpu_name else None
@@ -43,7 +44,7 @@ def prior_for_gpu(gpu_name: str, model, work, tp: int = 1) -> dict:
         hw = None
     if hw is None:
         return Prior().to_dict()
-    cost = CostModel(hw, model, EngineConfig(tp=max(1, tp)), CostParams())
+    cost = CostModel(hw, model, EngineConfig(tp=max(1, tp)), CostParams.for_setup(PDCTL_SETUP, hw.name))
     if cost.kv_capacity_tokens() <= 0:
         return Prior().to_dict()
     wl = SimWorkload(work.input_len, min(work.prefix_len, work.input_len), work.output_len)

@@ -381,6 +381,16 @@ class PrefillLeg:
 
 
 class DecodeLeg(PrefillLeg):
+    __slots__ = ("stored_at",)
+
+    def __init__(self, s: SimStack, req: SimRequest, eng: SimEngine):
+        super().__init__(s, req, eng)
+        self.stored_at = 0.0
+
+    def _release(self, t: float, held: int) -> None:
+        self.eng.core.release_held(held)
+        self.eng.kick(t)
+
     def on_first(self, t: float, seq: Seq) -> None:
         s = self.s
         req = self.req
@@ -393,9 +403,16 @@ class DecodeLeg(PrefillLeg):
         if s.connector and self.eng.role in ("both", "prefill") and seq.preemptions == 0:   # kv_both stores
             stored_at, _ = kvpath.store(s.cost, t, seq.prompt_len - seq.hit, self.eng.link_out)
             s.loop.at(stored_at, s.stored, self.req)
+        n = kvpath.consumer_store_tokens(s.cost, self.eng.role, seq.prompt_len) if s.connector else 0
+        if n and seq.preemptions == 0:        # a consumer that stores: the chunks are there already, only the
+            self.stored_at, _ = kvpath.store(s.cost, t, n, self.eng.link_out)   # link time and the held blocks
 
     def on_finish(self, t: float, seq: Seq) -> None:
         s, req = self.s, self.req
+        if self.stored_at > t:                # vLLM frees the blocks once the connector's store is done
+            core, held = self.eng.core, seq.prompt_len + seq.gen
+            core.hold(held)
+            s.loop.at(self.stored_at, self._release, held)
         if s.adm is not None and req.wl.output_len > 1 and req.ttft is not None:
             tpot = (t - (req.arrival + req.ttft - s.p.http_hop_s)) / (req.wl.output_len - 1)
             self.eng.rates.saw_stream((req.streams0 + self.eng.outstanding) / 2, tpot)

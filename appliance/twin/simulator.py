@@ -47,6 +47,7 @@ from ..percentiles import (
 from ..policy.admit import Policy as AdmissionPolicy
 from ..policy.decide import Thresholds
 from .costmodel import CostModel, CostParams, EngineConfig
+from .params import PDCTL_SETUP
 from .hardware import Hardware
 from .hardware import resolve as resolve_hw
 from .simstack import PolicyConfig, SimRequest, SimStack
@@ -146,8 +147,12 @@ def simulate(hardware: object = "a100-80gb", model: object = _d("install", "mode
              params: Optional[CostParams] = None, engine: Optional[EngineConfig] = None,
              kv_size_gb: float = 80.0, skip_uncached_max: int = 512, both: int = 0,
              thresholds: Thresholds = Thresholds(), connector: bool = True,
-             admission: Optional[AdmissionPolicy] = None) -> list[dict]:
+             admission: Optional[AdmissionPolicy] = None, setup: str = PDCTL_SETUP) -> list[dict]:
     """One summary dict per rate (``vllm bench serve`` key names + ``kv_hit_rate``); SimError on bad input.
+
+    Cost parameters: ``params``, or ``CostParams.for_setup(setup, hardware)``: by default pdctl's own setup
+    (vLLM 0.26 with CUDA graphs and prefix caching, LMCache 0.5.3, pdctl's proxy) on that GPU's fit; ``setup=
+    "seed"`` for the seed's stack (its tables). The routing ``policy`` is separate: pdctl's proxy runs all three.
 
     Engines: ``prefill`` dedicated prefillers (kv_producer), ``decode`` decoders (kv_consumer), ``both``
     engines that store and retrieve (kv_both). ``workload`` is a Workload or a Mix. ``connector`` False: engines
@@ -170,7 +175,12 @@ def simulate(hardware: object = "a100-80gb", model: object = _d("install", "mode
     mix = Mix.of(workload)
     mix.check()
     hw, mp = _resolve(hardware, model)
-    cost = CostModel(hw, mp, engine or EngineConfig(), params or CostParams())
+    if params is None:
+        try:
+            params = CostParams.for_setup(setup, hw.name)
+        except ValueError as exc:
+            raise SimError(str(exc)) from None
+    cost = CostModel(hw, mp, engine or EngineConfig(), params)
     if cost.kv_capacity_tokens() <= 0:
         raise SimError(f"{mp.name} ({mp.weights_bytes / 2**30:.1f} GiB weights) does not fit on {hw.name} "
                        f"at gpu_memory_utilization {cost.cfg.gpu_memory_utilization}: raise tp or pick a "

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..errors import BenchError
-from .costmodel import EngineConfig
+from .costmodel import CostParams, EngineConfig
 from .hardware import HardwareError
 from .hardware import resolve as resolve_hw
+from .params import PDCTL_SETUP
 from .profiles import load_profile
 from .simulator import Mix, SimError, Workload, simulate
 
@@ -102,13 +103,14 @@ class WhatIf:
     notes: tuple = field(default_factory=tuple)
     engines: int = 0                    # engines the box has room for (GPUs // TP)
     slo_tpot_p95_ms: Optional[float] = None
+    setup: str = PDCTL_SETUP            # the twin's cost parameters (params.SETUPS)
 
     @property
     def recommended(self) -> Optional[SplitResult]:
         return next((r for r in self.rows if r.recommended), None)
 
     def to_json(self) -> dict:
-        return {"hardware": self.hardware, "model": self.model, "policy": self.policy,
+        return {"hardware": self.hardware, "model": self.model, "policy": self.policy, "setup": self.setup,
                 "workload": {"input_len": self.workload.input_len, "prefix_len": self.workload.prefix_len,
                              "output_len": self.workload.output_len},
                 "rates": list(self.rates), "slo_ttft_p95_s": self.slo_ttft_p95_s, "notes": list(self.notes),
@@ -163,7 +165,8 @@ def what_if(inventory, model: str, workload=Workload(), rates: Sequence[float] =
             *, slo_ttft_p95_s: float = 3.5, policy: str = "round-robin", tp: int = 1, num_prompts: int = 600,
             seed: int = 2003, kv_size_gb: float = 80.0, objective: str = "max-rate-under-slo",
             refine: int = 4, family: str = "pd", slo_tpot_p95_ms: Optional[float] = None,
-            thresholds=None, min_window_s: float = 0.0, admission=None, peak_rate: float = 0.0) -> WhatIf:
+            thresholds=None, min_window_s: float = 0.0, admission=None, peak_rate: float = 0.0,
+            setup: str = PDCTL_SETUP, params: Optional[CostParams] = None) -> WhatIf:
     """Simulate each feasible split of ``inventory``'s GPUs; rows best first, the recommended one marked.
 
     ``family="pd"``: every P/D split (also on fewer engines), the first round's what-if. ``family="all"``:
@@ -177,11 +180,16 @@ def what_if(inventory, model: str, workload=Workload(), rates: Sequence[float] =
     1P3B with cold prompts on 4x H200 holds 16.5 req/s on 160 s windows, and delivers ~11 at 2x).
 
     ``admission`` (an ``appliance.policy.admit.Policy``, adaptive policy only): each family is also run past its ceiling
-    with the proxy's admission, at 2x its goodput and at ``peak_rate``: good req/s beside the share refused."""
+    with the proxy's admission, at 2x its goodput and at ``peak_rate``: good req/s beside the share refused.
+
+    ``setup``: the twin's cost parameters (``params.SETUPS``), by default pdctl's own on the GPU's fit (what the
+    plan runs); ``"seed"`` replays the seed's stack. ``params``: these cost parameters instead (``setup`` then
+    only names them)."""
     return _what_if(_gpu_setup(inventory, tp), model, workload, rates, slo_ttft_p95_s=slo_ttft_p95_s,
                     policy=policy, tp=tp, num_prompts=num_prompts, seed=seed, kv_size_gb=kv_size_gb,
                     objective=objective, refine=refine, family=family, slo_tpot_p95_ms=slo_tpot_p95_ms,
-                    thresholds=thresholds, min_window_s=min_window_s, admission=admission, peak_rate=peak_rate)
+                    thresholds=thresholds, min_window_s=min_window_s, admission=admission, peak_rate=peak_rate,
+                    setup=setup, params=params)
 
 
 def _gpu_setup(inventory, tp: int) -> tuple:
@@ -195,10 +203,10 @@ def what_if_engines(gpu_name: str, n_gpus: int, model: str, workload, rates: Seq
     return _what_if((gpu_name, n_gpus, []), model, workload, rates, **kw)
 
 
-def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_ttft_p95_s: float, policy: str,
+def _what_if(box: tuple, model: str, workload, rates: Sequence[float], *, slo_ttft_p95_s: float, policy: str,
              tp: int, num_prompts: int, seed: int, kv_size_gb: float, objective: str, refine: int, family: str,
              slo_tpot_p95_ms: Optional[float], thresholds, min_window_s: float = 0.0, admission=None,
-             peak_rate: float = 0.0) -> WhatIf:
+             peak_rate: float = 0.0, setup: str = PDCTL_SETUP, params: Optional[CostParams] = None) -> WhatIf:
     if objective not in OBJECTIVES:
         raise BenchError(f"--objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
     if tp < 1:
@@ -208,7 +216,7 @@ def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_
     rates = tuple(float(r) for r in rates)
     if not rates or any(not r > 0 or math.isinf(r) for r in rates):
         raise BenchError(f"--rates must be finite numbers > 0, got {list(rates)}")
-    gpu_name, n_gpus, notes = setup[0], setup[1], list(setup[2])
+    gpu_name, n_gpus, notes = box[0], box[1], list(box[2])
     try:
         hw = resolve_hw(gpu_name)
     except HardwareError as exc:
@@ -220,6 +228,10 @@ def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_
         raise BenchError(f"what-if needs >= 2 engines to split into prefill and decode; {n_gpus} x {gpu_name} at "
                          f"TP {tp} gives {n_engines}")
     rates = tuple(sorted(set(rates)))
+    try:
+        params = params or CostParams.for_setup(setup, hw.name)
+    except ValueError as exc:
+        raise BenchError(f"what-if: {exc}") from None
 
     extra = {"thresholds": thresholds} if thresholds is not None else {}
 
@@ -228,7 +240,7 @@ def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_
         n = prompts_for(max(rs), num_prompts, min_window_s) if len(rs) == 1 else num_prompts
         try:
             return simulate(hw, model, p, d, workload, rs, num_prompts=n, policy=policy, seed=seed,
-                            engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb, both=b, **extra)
+                            engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb, both=b, params=params, **extra)
         except SimError as exc:
             raise BenchError(f"what-if: {exc}") from None
 
@@ -248,7 +260,7 @@ def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_
         try:
             s = simulate(hw, model, p, d, workload, [r], num_prompts=prompts_for(r, num_prompts, min_window_s),
                          policy=policy, seed=seed, engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb, both=b,
-                         admission=admission, **extra)[0]
+                         admission=admission, params=params, **extra)[0]
         except SimError as exc:
             raise BenchError(f"what-if: {exc}") from None
         n = s["admitted"] + s["refused"]
@@ -307,7 +319,7 @@ def _what_if(setup: tuple, model: str, workload, rates: Sequence[float], *, slo_
         notes.append(f"no split holds TTFT p95 <= {slo_ttft_p95_s:g}s at any asked rate: lower the rates, "
                      "add GPUs or relax the SLO")
     return WhatIf(hw.name, model, workload, rates, slo_ttft_p95_s, policy, tuple(rows), tuple(notes), n_engines,
-                  slo_tpot_p95_ms)
+                  slo_tpot_p95_ms, setup)
 
 
 def render(w: WhatIf) -> str:
@@ -318,7 +330,8 @@ def render(w: WhatIf) -> str:
     shape = (f"{wl.prefix_len}+{wl.input_len - wl.prefix_len} in / {wl.output_len} out" if isinstance(wl, Workload)
              else " + ".join(f"{share:g} x ({c.prefix_len}+{c.input_len - c.prefix_len} in / {c.output_len} out)"
                              for share, c in Mix.of(wl).classes))
-    out = [f"what-if: {w.model} on up to {w.engines} engines of {w.hardware} ({w.policy} routing); workload "
+    out = [f"what-if: {w.model} on up to {w.engines} engines of {w.hardware} ({w.policy} routing, {w.setup} "
+           f"setup); workload "
            f"{shape}; SLO TTFT p95 <= {w.slo_ttft_p95_s:g}s" + (f", TPOT p95 <= {w.slo_tpot_p95_ms:g}ms" if tpot
                                                                  else "")]
     unit = "p50/p95 s,TPOT" if tpot else "p50/p95 s"

@@ -7,15 +7,18 @@ import time
 
 import pytest
 
+from appliance.plan.families import rank_params
 from appliance.policy.admit import Policy
 from appliance.twin.simulator import SimError, Workload, simulate
 
 HW, MODEL, BOTH, SEED = "a100-80gb", "deepseek-v2-lite", 3, 1
+PARAMS = rank_params()    # the setup the planner ranked that plan with (families.RANK_SETUP, issue 30), as overload.py
 SLO = dict(ttft_slo_s=2.0, tpot_slo_s=0.080)
 
 
 def run(rate: float, n: int, mode: str, policy: str = "adaptive", **kw) -> dict:
     return simulate(HW, MODEL, 0, 0, Workload(), [rate], num_prompts=n, policy=policy, seed=SEED, both=BOTH,
+                    params=PARAMS,
                     admission=Policy(mode=mode, **SLO), **kw)[0]
 
 

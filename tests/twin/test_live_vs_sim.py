@@ -144,8 +144,8 @@ def test_live_engines_agree_with_simulator():
     async def main():
         events: dict = {}
         kv = KVServerState(int(10 * 2**30))
-        pre = engine(kv, "prefill", events, hardware="a100-80gb")
-        dec = engine(kv, "decode", hardware="a100-80gb")
+        pre = engine(kv, "prefill", events, hardware="a100-80gb", setup="seed")
+        dec = engine(kv, "decode", hardware="a100-80gb", setup="seed")
         for e in (pre, dec):
             await e.start()
         try:
@@ -164,7 +164,7 @@ def test_live_engines_agree_with_simulator():
             for rate, n, seed, base in ((2.0, 30, 41, 0), (5.0, 40, 42, 100)):
                 live = statistics.median(await open_loop(n, rate, seed, lambda i, b=base: pd(i, b)))
                 sim = simulate(prefill=1, decode=1, workload=WL, rates=[rate], num_prompts=n,
-                               seed=seed)[0]["p50_ttft_ms"] / 1e3
+                               seed=seed, setup="seed")[0]["p50_ttft_ms"] / 1e3
                 results[rate] = (live, sim)
             assert pre.telemetry_sent == 71 and dec.telemetry_sent == 0      # one store event per P leg
             return results

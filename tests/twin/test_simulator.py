@@ -1,4 +1,7 @@
-"""Simulator sanity: monotonic latency, a ceiling near the seed's, policies, input errors, speed."""
+"""Simulator sanity: monotonic latency, a ceiling near the seed's, policies, input errors, speed.
+
+These reproduce the seed's own runs, so they simulate the seed's setup (``setup="seed"``: vLLM 0.18 eager, no
+prefix caching, LMCache 0.4.2); the simulator's default is pdctl's own setup (issue 30), checked last."""
 import json
 import subprocess
 import sys
@@ -6,7 +9,13 @@ import time
 
 import pytest
 
-from appliance.twin.simulator import SimError, Workload, percentile, simulate
+import functools
+
+from appliance.twin.params import CostParams
+from appliance.twin.simulator import SimError, Workload, percentile
+from appliance.twin.simulator import simulate as simulate_any
+
+simulate = functools.partial(simulate_any, setup="seed")
 
 from .conftest import ROOT
 
@@ -67,6 +76,7 @@ def test_results_are_deterministic_for_a_seed():
     (dict(num_prompts=0), "num-prompts"),
     (dict(workload=Workload(100, 200, 10)), "prefix-len"),
     (dict(model="llama-3.1-70b"), "does not fit"),
+    (dict(setup="turbo"), "unknown setup"),
 ])
 def test_bad_input_is_a_clear_error(kw, match):
     with pytest.raises(SimError, match=match):
@@ -114,3 +124,13 @@ def test_cli_simulates_the_default_plan():
         bad = run(*args)
         assert bad.returncode == 2 and needle in bad.stderr, (args, bad.stderr)
 
+
+
+def test_the_default_setup_is_pdctls_own():
+    """Wherever the twin stands in for what pdctl runs it runs pdctl's setup on that GPU's fit (issue 30)."""
+    wl = Workload(input_len=2000, prefix_len=0, output_len=8)
+    default = simulate_any("h200", workload=wl, rates=[1], num_prompts=5)
+    pdctl = simulate_any("h200", workload=wl, rates=[1], num_prompts=5,
+                         params=CostParams.for_setup("pdctl", "h200"))
+    seed = simulate_any("h200", workload=wl, rates=[1], num_prompts=5, setup="seed")
+    assert default == pdctl and default != seed

@@ -16,7 +16,7 @@ from bench.conftest import pdctl
 @pytest.fixture(scope="module")
 def seed_box():
     return what_if(detect("fake:3xA100-80GB"), "deepseek-v2-lite", Workload(), (1, 2, 5, 10, 20),
-                   policy="round-robin", num_prompts=600)  # the seed ran 600 per rate
+                   policy="round-robin", num_prompts=600, setup="seed")  # the seed ran 600 per rate
 
 
 def test_splits_include_smaller_ones():
