@@ -90,7 +90,13 @@ def test_collector_reads_the_twin_stack_and_the_proxy(twin_stack):
     assert [w.health for w in s.workers] == ["ok", "ok"] and [w.breaker for w in s.workers] == ["closed", "closed"]
     assert s.proxy.req_per_s > 0 and not is_na(s.proxy.ttft_p50_s) and s.proxy.ttft_p95_s >= s.proxy.ttft_p50_s
     assert s.kv.hit_rate > 0.5                                # the shared system prompt hits after the first
-    assert abs(s.kv.hit_rate - s.kv_layers.connector) < 0.1, text   # KV server vs engines' connector counters
+    # KV server vs the engines' own counters: the twin engines cache prefixes on the GPU as vLLM 0.26 does, so the
+    # shared system prompt is found there first and the connector is asked only for the rest (its rate is over that
+    # rest); what LMCache finds (every lookup covers the whole prompt) is what the engines found in their own cache
+    # and through the connector
+    local = s.kv_layers.engine_local
+    found = local + s.kv_layers.connector * (1.0 - local)
+    assert abs(s.kv.hit_rate - found) < 0.1, text
     assert s.traffic.prompt_tps > 0 and s.traffic.gen_tps > 0
     assert s.kv.l1_total_bytes > 0 and not is_na(s.kv.l1_usage)
     assert [g.instance for g in s.gpus] == ["prefill-0", "decode-0"] and s.gpus[0].mem_used_bytes > 0
@@ -99,7 +105,7 @@ def test_collector_reads_the_twin_stack_and_the_proxy(twin_stack):
     # (the shared system prompt is reused; the D legs' transfers left out), errors, no migrations metric yet
     assert not is_na(s.tpot_p95_s) and 0 < s.tpot_p50_s <= s.tpot_p95_s, text
     assert 0.3 < s.kv_layers.prefill_saved < 1.0, text
-    assert s.kv_layers.prefill_saved < s.kv_layers.connector, text   # transfers count as connector hits only
+    assert s.kv_layers.prefill_saved < found, text   # the D legs' transfers count as hits, not as prefill saved
     assert s.traffic.errors_per_s == 0.0
     assert is_na(s.traffic.migrations_per_s) or s.traffic.migrations_per_s >= 0
     assert s.gpu_model == "NVIDIA H200" and s.gpu_count == 2
