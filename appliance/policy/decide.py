@@ -7,7 +7,11 @@ The rule, in plain words (defaults derived by ``benchmarks/decision_thresholds.p
 1. Count the prompt tokens the shared KV cache does not hold yet (``uncached``).
 2. At most ``aggregate_max_uncached`` of them: **aggregate** on the least-loaded worker that can decode
    (its own prefill of the short rest costs less than a P leg, a KV store, a notification and a second
-   lookup; with ~80 % of the prompt in the shared L1 this is the common case). A decode-only worker
+   lookup; with ~80 % of the prompt in the shared L1 this is the common case), or on the worker whose own GPU
+   prefix cache is **warm** for this prompt (a conversation's next turn: the worker that served its last turn
+   holds its history and last answer) while that worker holds at least ``warm_min_tokens`` more of the prompt
+   than the least-loaded one and is at most ``warm_max_extra_load`` busier: elsewhere the history comes back
+   over the host link from the L1 and the last answer is computed again. A decode-only worker
    (kv_consumer) stores nothing, so it aggregates only prompts with at most ``consumer_max_uncached``
    uncached tokens; longer ones go to a ``both`` worker, or are split so the prefix gets stored for the
    next request.
@@ -44,10 +48,12 @@ R_IDLE_BOTH = "long_uncached_idle_both"   # split onto a both-worker that decode
 R_PREFILL_BUSY = "prefill_backlog"        # long uncached, but every prefiller's backlog is full: aggregate
 R_NO_PREFILLER = "no_prefiller"           # long uncached, no worker can take a P leg: aggregate
 R_NO_DECODER = "no_decoder"               # nothing can decode but a prefiller is up: aggregate there
+R_WARM = "warm_prefix"                    # aggregated on a worker whose GPU prefix cache holds the prompt's
+#                                           history (a conversation's next turn), least-loaded or not
 R_STATIC = "static"                       # baseline policies (round-robin, pdctl): their fixed rule
 R_ENGINE_STATE = "engine_state"           # the request needs state one engine holds (a Responses API
 #                                           previous_response_id): whole on that engine, never split (proxy)
-REASONS = (R_FEW_UNCACHED, R_CANNOT_STORE, R_LONG_UNCACHED, R_IDLE_BOTH, R_PREFILL_BUSY, R_NO_PREFILLER, R_NO_DECODER, R_STATIC,
+REASONS = (R_FEW_UNCACHED, R_WARM, R_CANNOT_STORE, R_LONG_UNCACHED, R_IDLE_BOTH, R_PREFILL_BUSY, R_NO_PREFILLER, R_NO_DECODER, R_STATIC,
            R_ENGINE_STATE)
 
 DECODE_ROLES = ("decode", "both")
@@ -62,6 +68,13 @@ class Thresholds:
     split_max_prefill_backlog: int = _d("proxy", "split_max_prefill_backlog")  # queued on the chosen prefiller
     split_idle_max_running: int = _d("proxy", "split_idle_max_running")  # a both-worker takes P legs only then
     consumer_max_uncached: int = _d("proxy", "consumer_max_uncached")    # a decode-only worker aggregates at most
+    # a warm worker (its GPU prefix cache holds this prompt) is preferred while it holds at least this many more
+    # of the prompt's tokens than the least-loaded one (two LMCache chunks: less saves nothing worth a queue) ...
+    warm_min_tokens: int = 512
+    # ... and its load (WorkerLoad.load) is at most this much above the least-loaded one's (a few streams: a
+    # warm worker that is the bottleneck gives the turn away, at the cost of an L1 load, never a recompute of the
+    # history the L1 holds)
+    warm_max_extra_load: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,8 @@ class WorkerLoad:
     running: float = 0.0         # engine: sequences running (scraped)
     waiting: float = 0.0         # engine: sequences waiting
     kv_usage: float = 0.0        # engine: KV cache use 0..1
+    warm: int = 0                # tokens of this prompt its own GPU prefix cache likely holds (the caller's guess
+    #                              from what it served lately; 0 = unknown)
 
     def load(self) -> float:
         """Decode load score: open legs plus the engine's queue, KV pressure weighted in."""
@@ -113,7 +128,13 @@ def decide(prompt_tokens: int, cached_tokens: int, workers: Sequence[WorkerLoad]
         pool = decoders if uncached <= th.consumer_max_uncached else [w for w in decoders if w.role == "both"]
         if pool:
             w = _least(pool, WorkerLoad.load, tiebreak)
-            return Decision(AGGREGATE, R_FEW_UNCACHED, w.name, None, uncached)
+            hot = max(pool, key=lambda x: x.warm)       # the first of the warmest, in plan order
+            if hot.warm - w.warm >= th.warm_min_tokens and hot.load() <= w.load() + th.warm_max_extra_load:
+                w = hot
+            # counted warm when the chosen worker holds the prompt's history (warm_min_tokens more than the
+            # coldest candidate: the shared system prompt is warm everywhere), whether or not it was the least loaded
+            warm = w.warm - min(x.warm for x in pool) >= th.warm_min_tokens
+            return Decision(AGGREGATE, R_WARM if warm else R_FEW_UNCACHED, w.name, None, uncached)
         long_reason = R_CANNOT_STORE
     d = _least(decoders, WorkerLoad.load, tiebreak)
     dedicated = [w for w in up if w.role == "prefill"]

@@ -31,6 +31,7 @@ from .errors import ProxyError
 from .legs import Legs
 from .metrics import ProxyMetrics
 from .routing import PrefixIndex, make_policy
+from .warm import WarmIndex
 from .scrape import Watcher
 from .stall import stall_loop
 from .telemetry import StoreWaiter
@@ -51,7 +52,9 @@ class ProxyServer:
         self.backends = [Backend.from_config(s, cfg) for s in cfg.backends]
         self.prefix = PrefixIndex(cfg.prefix_ttl_s)
         self.chars_per_token = CharsPerToken()
-        self.policy = make_policy(cfg, self.backends, self.prefix, lambda: self.chars_per_token.value)
+        self.warm = WarmIndex()               # where each worker's own prefix cache is warm (warm.py)
+        self.policy = make_policy(cfg, self.backends, self.prefix, lambda: self.chars_per_token.value,
+                                  self.warm)
         self.legs = Legs(self)
         self.gate = Gate(self, cfg.admission, cfg.admission_prior)   # admission by the SLO (admission.py)
         self.keyring = guard.keyring(cfg)     # who may use the public port (None: no key configured)

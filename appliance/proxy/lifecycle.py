@@ -132,7 +132,7 @@ def reload(server, new) -> list[str]:
     for b in by_url.values():
         changes.append(f"removed backend {b.label} ({b.url})")
         asyncio.get_running_loop().create_task(_retire(b, new.drain_timeout_s))
-    policy = make_policy(new, backends, server.prefix, lambda: server.chars_per_token.value)
+    policy = make_policy(new, backends, server.prefix, lambda: server.chars_per_token.value, server.warm)
     if new.policy != old.policy or new.thresholds != old.thresholds \
             or new.pd_min_prompt_tokens != old.pd_min_prompt_tokens:
         changes.append(f"policy {new.policy}, thresholds {new.thresholds}, pd_min_prompt_tokens "

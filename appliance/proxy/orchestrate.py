@@ -171,6 +171,10 @@ async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, t
     d = await s.legs.decode(path, data, rid, aff, parsed.stream, rt.decode, "full" if skip else "decode",
                                rt.uncached if skip else 0, chars, exclude=held.others if held else frozenset())
     api.served(s, parsed.body, rid, d)
+    if isinstance(d, DecodeStream) or (isinstance(d, Passthrough) and d.status == 200):
+        s.policy.served(parsed.prompt_text, d.backend)      # its prefix cache holds the prompt now (warm.py)
+        if isinstance(pr, PrefillResult):
+            s.policy.served(parsed.prompt_text, pr.backend)
     if isinstance(d, DecodeStream):
         s.gate.observe_first(ticket, pr.backend if isinstance(pr, PrefillResult) else d.backend)
     if (skip and isinstance(d, DecodeStream) and d.backend.spec.role in STORING_ROLES

@@ -13,15 +13,13 @@ chosen backend fails before its first byte.
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .. import constants as C
 from ..policy import decide as D
+from .warm import CHUNK_CHARS, WarmIndex, chunk_prefixes
 
-CHUNK_CHARS = C.LMCACHE_CHUNK_TOKENS * 4      # ~ one LMCache chunk of text (about 4 characters per token)
 AFFINITY_SLACK = 2.0                           # preferred decoder kept while load <= least + max(slack, 25 %)
 
 SKIP_AGGREGATED = "aggregated"          # no prefill workers in the plan
@@ -55,16 +53,7 @@ class PrefixIndex:
         self.ttl_s, self.max_entries = ttl_s, max_entries
         self._seen: OrderedDict = OrderedDict()
 
-    @staticmethod
-    def boundaries(text: str) -> list:
-        """Digest of every whole-chunk prefix, shortest first."""
-        data = text.encode("utf-8", "surrogatepass")
-        h = hashlib.blake2b(digest_size=16)
-        out = []
-        for end in range(CHUNK_CHARS, len(data) + 1, CHUNK_CHARS):
-            h.update(data[end - CHUNK_CHARS:end])
-            out.append((end, h.digest()))
-        return out
+    boundaries = staticmethod(chunk_prefixes)
 
     def clear(self) -> None:
         """Forget everything (the KV server restarted: its L1 is empty)."""
@@ -114,6 +103,9 @@ class RoundRobin:
         cands = _eligible(self.prefill, excluded)
         return self._rotate(cands, "prefill") if cands else None
 
+    def served(self, prompt_text: str, backend) -> None:
+        """``backend`` computed or loaded ``prompt_text`` (the adaptive policy remembers where it is warm)."""
+
     def pick_decode(self, affinity: str | None = None, excluded=()):
         cands = _eligible(self.decode, excluded)
         return self._rotate(cands) if cands else None
@@ -162,9 +154,10 @@ class AdaptivePolicy(PdctlPolicy):
     name = "adaptive"
 
     def __init__(self, prefill: list, decode: list, min_prompt_tokens: int, prefix: PrefixIndex,
-                 thresholds: D.Thresholds = D.Thresholds()):
+                 thresholds: D.Thresholds = D.Thresholds(), warm=None):
         super().__init__(prefill, decode, min_prompt_tokens, prefix)
         self.thresholds = thresholds
+        self.warm = warm if warm is not None else WarmIndex()    # where each prompt is warm (warm.py)
         self.chars_per_token = lambda: 4.0     # the server points this at its learned ratio (tokens.py)
         self.workers = list(prefill) + [b for b in decode if b not in prefill]
         # P-leg fallbacks: dedicated prefillers first, then both-workers
@@ -174,21 +167,24 @@ class AdaptivePolicy(PdctlPolicy):
     def skip_reason(self, prompt_text: str, prompt_tokens: int) -> str | None:
         return None
 
-    def loads(self) -> list:
+    def loads(self, warm_chars: dict | None = None) -> list:
         now = time.monotonic()
+        cpt = self.chars_per_token()
+        warm_chars = warm_chars or {}
         out = []
         for b in self.workers:
             fresh = b.scraped_at and now - b.scraped_at < 5.0
             out.append(D.WorkerLoad(b.label, b.spec.role, b.breaker.allows(now), b.inflight + b.reserved_streams,
                                     b.prefill_backlog + b.reserved_tokens,
                                     b.running if fresh else 0.0, b.waiting if fresh else 0.0,
-                                    b.kv_usage if fresh else 0.0))
+                                    b.kv_usage if fresh else 0.0, int(warm_chars.get(b.label, 0) / cpt)))
         return out
 
     def route(self, prompt_text: str, prompt_tokens: int) -> Route:
         cached = min(int(self.prefix.cached_chars(prompt_text) / self.chars_per_token()), prompt_tokens)
         self._turn += 1
-        d = D.decide(prompt_tokens, cached, self.loads(), self.thresholds, self._turn)
+        d = D.decide(prompt_tokens, cached, self.loads(self.warm.warm_chars(prompt_text)), self.thresholds,
+                     self._turn)
         if d is None:
             return Route(D.AGGREGATE, D.R_NO_DECODER, uncached=prompt_tokens - cached)
         by = {b.label: b for b in self.workers}
@@ -199,6 +195,10 @@ class AdaptivePolicy(PdctlPolicy):
         if not cands:
             return None
         return min(cands, key=lambda b: (b.spec.role != "prefill", b.prefill_backlog, b.inflight))
+
+    def served(self, prompt_text: str, backend) -> None:
+        if backend is not None and prompt_text:
+            self.warm.record(prompt_text, backend.label)
 
     def pick_decode(self, affinity: str | None = None, excluded=()):
         got = super().pick_decode(affinity, excluded)
@@ -211,14 +211,15 @@ class AdaptivePolicy(PdctlPolicy):
 POLICIES = {"adaptive": AdaptivePolicy, "pdctl": PdctlPolicy, "round-robin": RoundRobin}
 
 
-def make_policy(cfg, backends: list, prefix: PrefixIndex, chars_per_token):
+def make_policy(cfg, backends: list, prefix: PrefixIndex, chars_per_token, warm=None):
     """The routing policy over ``backends`` as ``cfg`` asks (the proxy's start and its reload build it alike);
-    ``chars_per_token()`` is the server's learned ratio (tokens.py)."""
+    ``chars_per_token()`` is the server's learned ratio (tokens.py); ``warm`` the server's ``WarmIndex`` (kept
+    across a reload: the engines' caches are)."""
     if cfg.policy not in POLICIES:
         raise ValueError(f"unknown proxy policy {cfg.policy!r}: choose one of {', '.join(POLICIES)}")
     prefill = [b for b in backends if b.spec.role == "prefill"]
     decode = [b for b in backends if b.spec.role in ("decode", "both")]
-    extra = {"thresholds": cfg.thresholds} if cfg.policy == "adaptive" else {}
+    extra = {"thresholds": cfg.thresholds, "warm": warm} if cfg.policy == "adaptive" else {}
     policy = POLICIES[cfg.policy](prefill, decode, cfg.pd_min_prompt_tokens, prefix, **extra)
     if hasattr(policy, "chars_per_token"):
         policy.chars_per_token = chars_per_token
