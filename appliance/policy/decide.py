@@ -69,7 +69,8 @@ class Thresholds:
     split_idle_max_running: int = _d("proxy", "split_idle_max_running")  # a both-worker takes P legs only then
     consumer_max_uncached: int = _d("proxy", "consumer_max_uncached")    # a decode-only worker aggregates at most
     # a warm worker (its GPU prefix cache holds this prompt) is preferred while it holds at least this many more
-    # of the prompt's tokens than the least-loaded one (two LMCache chunks: less saves nothing worth a queue) ...
+    # of the prompt's tokens than the least-loaded one (two LMCache chunks: less saves nothing worth a queue; 0 =
+    # off: load alone decides, as before; `pdctl proxy --warm-min-tokens`) ...
     warm_min_tokens: int = 512
     # ... and its load (WorkerLoad.load) is at most this much above the least-loaded one's (a few streams: a
     # warm worker that is the bottleneck gives the turn away, at the cost of an L1 load, never a recompute of the
@@ -129,11 +130,12 @@ def decide(prompt_tokens: int, cached_tokens: int, workers: Sequence[WorkerLoad]
         if pool:
             w = _least(pool, WorkerLoad.load, tiebreak)
             hot = max(pool, key=lambda x: x.warm)       # the first of the warmest, in plan order
-            if hot.warm - w.warm >= th.warm_min_tokens and hot.load() <= w.load() + th.warm_max_extra_load:
+            on = th.warm_min_tokens > 0                 # 0: the operator turned warmth off, load alone decides
+            if on and hot.warm - w.warm >= th.warm_min_tokens and hot.load() <= w.load() + th.warm_max_extra_load:
                 w = hot
             # counted warm when the chosen worker holds the prompt's history (warm_min_tokens more than the
             # coldest candidate: the shared system prompt is warm everywhere), whether or not it was the least loaded
-            warm = w.warm - min(x.warm for x in pool) >= th.warm_min_tokens
+            warm = on and w.warm - min(x.warm for x in pool) >= th.warm_min_tokens
             return Decision(AGGREGATE, R_WARM if warm else R_FEW_UNCACHED, w.name, None, uncached)
         long_reason = R_CANNOT_STORE
     d = _least(decoders, WorkerLoad.load, tiebreak)

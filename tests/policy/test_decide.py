@@ -74,6 +74,13 @@ def test_decision_table(case, prompt, cached, workers, kind, reason, dec, pre):
     assert got.uncached == max(0, prompt - cached)
 
 
+def test_warmth_off_leaves_the_choice_to_load():
+    ws = [w("b0", "both", running=1, warm=6000), w("b1", "both", running=3, warm=8200)]
+    assert decide(9000, 8000, ws, TH).decode == "b1"
+    got = decide(9000, 8000, ws, Thresholds(warm_min_tokens=0))
+    assert (got.decode, got.reason) == ("b0", D.R_FEW_UNCACHED)
+
+
 def test_nothing_available_is_none():
     assert decide(1000, 0, [w("b0", "both", available=False)], TH) is None
     assert decide(1000, 0, [], TH) is None

@@ -91,7 +91,9 @@ async def test_decode_leg_waits_for_the_store(spawn, fresh, proxy_factory):
     assert d["t"] - p["t"] >= 0.28                 # D left only after the store finished (its 0.3 s sleep)
     assert took < 15                               # ~0.4 s; the 30 s wait bound would be a hang
     st = px.server.status()
-    assert st["kv_wait"] == {"stored": 1} and st["telemetry"]["matched"] == 1    # ended by the event, counted
+    # ended by the event, counted; the proxy's own KV warm-up of the prefiller (warmup.py, one long request when it
+    # is first seen) may post its store event in the same moments (ci38, a busy machine: matched 2)
+    assert st["kv_wait"] == {"stored": 1} and st["telemetry"]["matched"] >= 1
 
 
 async def test_store_wait_is_bounded_and_the_timeout_counted(spawn, fresh, proxy_factory):
