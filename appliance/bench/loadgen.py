@@ -55,24 +55,18 @@ def retry_after_valid(value: Optional[str]) -> bool:
         return False
 
 
+def _error_field(raw: bytes, name: str) -> str:
+    """``error.<name>`` of a body in OpenAI's error shape ("" when it is not one)."""
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    v = err.get(name) if isinstance(err, dict) else None
+    return v if isinstance(v, str) else ""
+
+
 def _error_code(raw: bytes) -> str:
-    """``error.code`` of a body in OpenAI's error shape ("" when it is not one)."""
-    try:
-        err = json.loads(raw).get("error")
-    except (ValueError, AttributeError):
-        return ""
-    code = err.get("code") if isinstance(err, dict) else None
-    return code if isinstance(code, str) else ""
-
-
-def _error_message(raw: bytes) -> str:
-    """``error.message`` of a body in OpenAI's error shape ("" when it is not one)."""
-    try:
-        err = json.loads(raw).get("error")
-    except (ValueError, AttributeError):
-        return ""
-    msg = err.get("message") if isinstance(err, dict) else None
-    return msg if isinstance(msg, str) else ""
+    return _error_field(raw, "code")
 
 
 def _overloaded(raw: bytes) -> bool:
@@ -227,7 +221,7 @@ async def _one(pool: Pool, path: str, body: dict, res: RequestResult, t0: float,
                     res.refusal_s = time.perf_counter() - start
                     res.retry_after = conn.headers.get("retry-after")
                     res.error = (f"limited: HTTP 429 {code}, Retry-After {res.retry_after}: "
-                                 f"{_error_message(raw)[:300]}")
+                                 f"{_error_field(raw, 'message')[:300]}")
                     return
                 if conn.status in REFUSAL_STATUSES and code == OVERLOADED_CODE:
                     res.refused = True          # a measurement: never retried
