@@ -183,6 +183,10 @@ def test_adaptive_thresholds_from_flags_and_from_the_plan():
     assert cfg.thresholds == Thresholds(aggregate_max_uncached=0, split_idle_max_running=9)
     with pytest.raises(SystemExit, match="must be >= 0"):
         pcli.config_from_args(ap.parse_args(["proxy", "--both", "http://127.0.0.1:1", "--consumer-max-uncached", "-1"]))
+    with pytest.raises(SystemExit, match="--warm-min-tokens must be >= 0"):
+        pcli.config_from_args(ap.parse_args(["proxy", "--both", "http://127.0.0.1:1", "--warm-min-tokens", "-1"]))
+    off = pcli.config_from_args(ap.parse_args(["proxy", "--both", "http://127.0.0.1:1", "--warm-min-tokens", "0"]))
+    assert off.thresholds.warm_min_tokens == 0
     from appliance.inventory import detect
     from appliance.model.profiles import resolve
     from appliance.plan.planner import Overrides, Workload, make_plan
