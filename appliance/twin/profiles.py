@@ -45,6 +45,54 @@ PROFILES = {
 }
 
 
+@dataclass(frozen=True)
+class SessionProfile:
+    """Multi-turn chat (issue 32): users hold conversations. Turn 1's prompt is the shared system prompt and a first
+    message; turn n+1's is turn n's prompt, the answer that came back and a new message, sent after the user read
+    that answer (think time, exponential). A conversation ends after its turns, or earlier when its next prompt
+    plus answer would pass the engines' ``max_model_len`` (the engine would refuse it with a 400: the client
+    must start a new conversation or trim its history; pdctl does not trim)."""
+    name: str
+    system_len: int = 6000      # tokens of the system prompt every conversation shares
+    first_len: int = 1900       # tokens of a conversation's first user message
+    message_len: int = 150      # tokens of every later user message
+    answer_len: int = 250       # tokens of every answer (ignore_eos + max_tokens make it exact)
+    turns_min: int = 3          # turns per conversation: uniform in [turns_min, turns_max]
+    turns_max: int = 10
+    think_s: float = 8.0        # mean seconds between an answer's end and the next turn (exponential)
+
+    def check(self, where: str = "session profile") -> None:
+        for key in ("first_len", "message_len", "answer_len", "turns_min"):
+            if getattr(self, key) < 1:
+                raise BenchError(f"{where}: {key} must be >= 1, got {getattr(self, key)}")
+        if self.system_len < 0:
+            raise BenchError(f"{where}: system_len must be >= 0, got {self.system_len}")
+        if self.turns_max < self.turns_min:
+            raise BenchError(f"{where}: turns_max {self.turns_max} is below turns_min {self.turns_min}")
+        if not self.think_s >= 0:
+            raise BenchError(f"{where}: think_s must be >= 0, got {self.think_s}")
+
+    def prompt_len(self, turn: int) -> int:
+        """Prompt tokens of turn ``turn`` (1-based) when every earlier answer came back whole."""
+        return self.system_len + self.first_len + (turn - 1) * (self.answer_len + self.message_len)
+
+    @property
+    def turns_mean(self) -> float:
+        return (self.turns_min + self.turns_max) / 2
+
+    def last_turn(self, max_model_len: int) -> int:
+        """The last turn whose prompt and answer fit ``max_model_len`` (0: not even the first)."""
+        room = max_model_len - self.system_len - self.first_len - self.answer_len
+        return 0 if room < 0 else 1 + room // (self.answer_len + self.message_len)
+
+
+SESSION_PROFILES = {
+    # the seed's P50 shape as conversations: a 6,000-token system prompt, a ~1,900-token first message, ~250-token
+    # answers, 3-10 turns (issue 32); at turn 10 the prompt is 11,500 tokens (pdctl's max_model_len is 20,000)
+    "chat-sessions": SessionProfile("chat-sessions"),
+}
+
+
 def _read_file(path: Path) -> dict:
     try:
         raw = path.read_bytes()
