@@ -11,21 +11,34 @@ same terms for the same request.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Optional, Sequence
 
 from .core import HostLink
 from .costmodel import CostModel
 
 
 class PrefixCache:
-    """vLLM's automatic prefix cache on one engine, in KV-server chunks.
+    """vLLM's automatic prefix cache on one engine, in KV blocks (or KV-server chunks, as the caller keys them).
 
-    Approximation: nothing is evicted. A shared prefix is touched by every request, so vLLM's LRU keeps it;
-    unique chunks rarely recur on the same engine, so their eviction does not change the cost."""
+    Least recently used first out once it holds ``capacity`` keys (None: never, the live twin engine's
+    approximation). A shared prefix is touched by every request, so it stays; a conversation's history stays while
+    its turns come back before other prompts push it out, as on the GPU (the blocks of running sequences are in the
+    same pool there: an approximation)."""
 
-    def __init__(self) -> None:
-        self.keys: set = set()
+    def __init__(self, capacity: Optional[int] = None) -> None:
+        self.keys: OrderedDict = OrderedDict()
+        self.capacity = capacity
+
+    def peek(self, keys: Sequence[Hashable], chunk_tokens: Sequence[int]) -> int:
+        """Leading tokens of ``keys`` held now, changing nothing (what a router's view of this cache would say)."""
+        n = 0
+        for k, c in zip(keys, chunk_tokens):
+            if k not in self.keys:
+                break
+            n += c
+        return n
 
     def hit(self, keys: Sequence[Hashable], chunk_tokens: Sequence[int]) -> tuple[int, Hashable]:
         """Leading prompt tokens already on this GPU, and the key of the last shared chunk (the block run
@@ -35,11 +48,26 @@ class PrefixCache:
             if k not in self.keys:
                 break
             n, last = n + c, k
-        self.keys.update(keys)
+        self.warm(keys)
         return n, last
 
     def warm(self, keys: Sequence[Hashable]) -> None:
-        self.keys.update(keys)
+        """Remember ``keys`` as just used (a prompt computed or loaded, an answer's full blocks)."""
+        d = self.keys
+        for k in keys:
+            d[k] = None
+            d.move_to_end(k)
+        if self.capacity is not None:
+            self.fit(self.capacity)
+
+    def fit(self, limit: int) -> None:
+        """Forget the least recently used keys beyond ``limit`` (the blocks the GPU can keep cached now)."""
+        d = self.keys
+        while len(d) > max(0, limit):
+            d.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self.keys)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,10 @@ class CostParams:
     consumer_stores: bool = True     # a decoder's connector stores the whole prompt it holds (LMCache MP before
     #                                  the fix of its issue 5143: the seed's kv_both decoders), and vLLM keeps a
     #                                  finished request's blocks until that store is done (``core.hold``)
+    stores_answers: bool = False     # a storing worker's connector also stores the chunks that hold generated tokens
+    #                                  (LMCache MP ``lmcache.mp.save_decode_cache``), at the request's end: a
+    #                                  conversation's next turn on another worker loads its last answer from the L1
+    #                                  instead of computing it again
 
     def to_dict(self) -> dict:
         return asdict(self)

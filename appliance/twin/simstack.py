@@ -13,7 +13,6 @@ learners fed with model time (each engine's TTFT and TPOT lines start from the c
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
@@ -24,80 +23,21 @@ from ..policy import admit as A
 from ..policy.sharing import WaitQueue
 from ..policy.decide import AGGREGATE, R_STATIC, SPLIT, Thresholds, WorkerLoad, decide
 from . import kvpath
-from .core import EngineCore, HostLink, Seq
+from .core import Seq
 from .costmodel import CostModel
 from .kvstore import ChunkStore
 from .prior import prior_for
+from .simengine import EventLoop, SimEngine
+from .peer_router import cache_aware
 from .workloads import Mix, Workload
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    name: str = "round-robin"
+    name: str = "round-robin"           # round-robin | pdctl | adaptive | cache-aware (simulator.py)
     skip_uncached_max: int = 512
     thresholds: Thresholds = Thresholds()
     admission: Optional[A.Policy] = None     # adaptive only: the proxy's admission (None or mode off: none)
-
-
-class EventLoop:
-    def __init__(self) -> None:
-        self.heap: list = []
-        self.n = 0
-
-    def at(self, t: float, fn: Callable, *args) -> None:
-        self.n += 1
-        heapq.heappush(self.heap, (t, self.n, fn, args))
-
-    def run(self) -> float:
-        t = 0.0
-        heap = self.heap
-        while heap:
-            t, _, fn, args = heapq.heappop(heap)
-            fn(t, *args)
-        return t
-
-
-class SimEngine:
-    def __init__(self, name: str, cost: CostModel, loop: EventLoop, role: str = "decode", connector: bool = True):
-        self.name = name
-        self.role = role          # "prefill" (kv_producer) | "decode" (kv_consumer) | "both" (kv_both)
-        self.backlog = 0          # uncached tokens sent here whose prefill has not finished (decide's input)
-        self.core = EngineCore(cost, connector)
-        self.loop = loop
-        self.link_in = HostLink()
-        self.link_out = HostLink()
-        self.busy = False
-        self.polling = False
-        self.outstanding = 0
-        self.apc = kvpath.PrefixCache()   # vLLM's prefix cache on this GPU, in blocks (used when prefix_cache)
-        self.rates: Optional[A.WorkerRates] = None   # admission's learnt TTFT/TPOT lines (admission on)
-
-    def kick(self, t: float) -> None:
-        if self.busy or not self.core.has_work():
-            return
-        plan = self.core.step()
-        if plan is None:
-            if self.core.has_deferred() and not self.polling:   # idle: notice the answered lookup later
-                self.polling = True
-                self.loop.at(t + self.core.cost.params.connector_s, self._poll)
-            return
-        self.busy = True
-        self.loop.at(t + plan.duration, self._end, plan)
-
-    def _poll(self, t: float) -> None:
-        self.polling = False
-        self.core.release_deferred()
-        self.kick(t)
-
-    def _end(self, t: float, plan) -> None:
-        self.busy = False
-        for seq in plan.first_tokens:
-            seq.payload.on_first(t, seq)
-        for seq in plan.finished:
-            seq.payload.on_finish(t, seq)
-        for seq in plan.rejected:
-            seq.payload.on_reject(t, seq)
-        self.kick(t)
 
 
 @dataclass
@@ -122,6 +62,11 @@ class SimRequest:
     ahead: float = 0.0                # backlog met + its own uncached tokens (TTFT observation's x)
     ttft_eng: Optional[SimEngine] = None    # the engine whose prefill made its first token
     streams0: int = 0                 # streams on its decoding engine when its first token came
+    sid: int = -1                     # the conversation this turn belongs to (-1: a single-turn request)
+    turn: int = 0                     # its 1-based turn index there
+    kv_gpu: int = 0                   # prompt tokens its first leg found in that engine's own prefix cache
+    kv_l1: int = 0                    # prompt tokens its first leg loaded from the KV server
+    computed: int = 0                 # prompt tokens computed, over every leg
 
 
 class SimStack:
@@ -151,6 +96,7 @@ class SimStack:
         self.max_inflight = 0
         self.done: list[SimRequest] = []
         self.last_t = 0.0
+        self.on_done: Optional[Callable] = None     # called with (t, request) when a request ends (sessions.py)
         self.decisions: dict = {}
         adm = policy.admission
         self.adm = adm if adm is not None and adm.mode != "off" and policy.name == "adaptive" else None
@@ -182,11 +128,32 @@ class SimStack:
         return [("p", ci, j) if j < prefix_chunks else ("r", idx, j)
                 for j in range(math.ceil(wl.input_len / LMCACHE_CHUNK_TOKENS))]
 
-    def blocks(self, req: "SimRequest") -> list:
-        """The prompt's full KV blocks (vLLM's prefix cache caches whole blocks only)."""
+    @staticmethod
+    def session_keys(idx: int, sid: int, wl: Workload) -> list:
+        """A conversation's turn: its whole chunks beyond the system prompt are the conversation's own (the next
+        turn repeats them), the trailing partial chunk only this prompt's (LMCache never matches it again)."""
+        c = LMCACHE_CHUNK_TOKENS
+        shared, whole = wl.prefix_len // c, wl.input_len // c
+        return [("p", 0, j) if j < shared else ("s", sid, j) if j < whole else ("r", idx, j)
+                for j in range(math.ceil(wl.input_len / c))]
+
+    def blocks(self, req: "SimRequest", upto: int = 0) -> list:
+        """The prompt's full KV blocks (vLLM's prefix cache caches whole blocks only); with ``upto`` the full
+        blocks of the first ``upto`` tokens (a conversation's prompt and answer)."""
         b, wl = self.block, req.wl
         shared = wl.prefix_len // b
-        return [("p", req.ci, j) if j < shared else ("r", req.idx, j) for j in range(wl.input_len // b)]
+        own = ("sb", req.sid) if req.sid >= 0 else ("r", req.idx)
+        return [("p", req.ci, j) if j < shared else (*own, j) for j in range((upto or wl.input_len) // b)]
+
+    def warmth(self, req: "SimRequest") -> dict:
+        """{engine name: leading prompt tokens its own prefix cache holds}, for a conversation's turn (what the
+        proxy's ``WarmIndex`` guesses from the prompts it routed); empty for single requests, whose only warm part
+        is the system prompt, warm everywhere."""
+        if req.sid < 0 or not self.p.prefix_cache:
+            return {}
+        keys = self.blocks(req)
+        sizes = [self.block] * len(keys)
+        return {e.name: e.apc.peek(keys, sizes) for e in self.engines}
 
     # ---- proxy ---------------------------------------------------------------------------------
     def arrive(self, t: float, req: SimRequest) -> None:
@@ -195,6 +162,11 @@ class SimStack:
         name = self.policy.name
         if name == "adaptive":
             self._adaptive(t, req)
+            return
+        if name == "cache-aware":
+            req.skipped_p = True
+            self._count(AGGREGATE, R_STATIC)
+            self.send_d(t, req, cache_aware(self, req))
             return
         n = req.wl.input_len
         if name == "pdctl":
@@ -217,8 +189,9 @@ class SimStack:
     def _decide(self, req: SimRequest):
         n = req.wl.input_len
         cached = min(self.store.peek(req.keys), n - 1)
+        warm = self.warmth(req)
         loads = [WorkerLoad(e.name, e.role, True, e.outstanding, e.backlog, e.core.num_running,
-                            e.core.num_waiting, e.core.kv_usage()) for e in self.engines]
+                            e.core.num_waiting, e.core.kv_usage(), warm.get(e.name, 0)) for e in self.engines]
         self.rr += 1
         return decide(n, cached, loads, self.policy.thresholds, self.rr)
 
@@ -325,17 +298,27 @@ class SimStack:
     def lookup(self, t: float, req: SimRequest, eng: SimEngine, max_tokens: int) -> None:
         n = req.wl.input_len
         hit = self.store.lookup(req.keys, req.chunk_tokens) if self.connector else 0
-        local, last = 0, None
+        local, last, pinned = 0, None, 0
         if self.p.prefix_cache:
             keys = self.blocks(req)
+            system = req.wl.prefix_len // self.block
+            eng.apc.fit(eng.cache_room(system))
             local, last = eng.apc.hit(keys, [self.block] * len(keys))
+            pinned = len(keys) - system
+            if req.sid >= 0 and local:    # running turns share the system prompt's blocks, not their histories
+                last, local_shared = ("p", req.ci, system - 1), min(local, system * self.block)
         adm = kvpath.admit(self.cost, t, n, hit, local, eng.link_in, self.connector)
+        if req.leg == 0:
+            req.kv_gpu, req.kv_l1 = adm.local, adm.loaded
+        req.computed += n - adm.skip
         p_leg = req.leg == 0 and not req.skipped_p
         req.leg += 1
         seq = Seq(rid=str(req.idx), prompt_len=n, max_tokens=max_tokens, hit=adm.skip, local=adm.local,
-                  payload=PrefillLeg(self, req, eng) if p_leg else DecodeLeg(self, req, eng))
+                  payload=PrefillLeg(self, req, eng, pinned) if p_leg else DecodeLeg(self, req, eng, pinned))
+        eng.pinned += pinned
         if adm.local:
-            seq.share_key, seq.share_tokens = last, adm.local
+            seq.share_key = last
+            seq.share_tokens = local_shared if req.sid >= 0 else adm.local
         self.loop.at(adm.ready_at, self._add, eng, seq, adm.defer)
 
     def _add(self, t: float, eng: SimEngine, seq: Seq, defer: bool = False) -> None:
@@ -343,20 +326,40 @@ class SimStack:
         eng.kick(t)
 
     def stored(self, t: float, req: SimRequest) -> None:
+        self.store_keys(t, zip(req.keys, req.chunk_tokens))
+
+    def store_keys(self, t: float, items) -> None:
         kvb = self.cost.kv_bytes_per_token
-        self.store.store((k, n, n * kvb) for k, n in zip(req.keys, req.chunk_tokens))
+        self.store.store((k, n, n * kvb) for k, n in items)
+
+    def answered(self, t: float, req: SimRequest, eng: SimEngine) -> None:
+        """A conversation's turn ended on ``eng``: vLLM's prefix cache keeps the answer's full blocks, and a
+        storing worker whose connector stores generated tokens (``stores_answers``) copies the chunks the answer
+        completed to the KV server."""
+        if req.sid < 0:
+            return
+        end = req.wl.input_len + req.wl.output_len
+        if self.p.prefix_cache:
+            eng.apc.warm(self.blocks(req, end))
+        c = LMCACHE_CHUNK_TOKENS
+        first, last = req.wl.input_len // c, end // c
+        if self.connector and self.p.stores_answers and eng.role in ("both", "prefill") and last > first:
+            stored_at, _ = kvpath.store(self.cost, t, (last - first) * c, eng.link_out)
+            self.loop.at(stored_at, self.store_keys, [(("s", req.sid, j), c) for j in range(first, last)])
 
     def finish(self, t: float, req: SimRequest) -> None:
         self.inflight -= 1
         self.last_t = max(self.last_t, t)
         self.done.append(req)
+        if self.on_done is not None:
+            self.on_done(t, req)
 
 
 class PrefillLeg:
-    __slots__ = ("s", "req", "eng")
+    __slots__ = ("s", "req", "eng", "pinned")
 
-    def __init__(self, s: SimStack, req: SimRequest, eng: SimEngine):
-        self.s, self.req, self.eng = s, req, eng
+    def __init__(self, s: SimStack, req: SimRequest, eng: SimEngine, pinned: int = 0):
+        self.s, self.req, self.eng, self.pinned = s, req, eng, pinned
 
     def on_first(self, t: float, seq: Seq) -> None:
         pass
@@ -364,6 +367,7 @@ class PrefillLeg:
     def on_finish(self, t: float, seq: Seq) -> None:
         s = self.s
         self.eng.outstanding -= 1
+        self.eng.pinned -= self.pinned
         s.release_backlog(self.req)
         s._pump(t)
         if not s.connector:           # nothing is stored: the decode leg recomputes what its cache lacks
@@ -375,6 +379,7 @@ class PrefillLeg:
 
     def on_reject(self, t: float, seq: Seq) -> None:
         self.eng.outstanding -= 1
+        self.eng.pinned -= self.pinned
         self.s.release_backlog(self.req)
         self.req.failed = True
         self.s.finish(t, self.req)
@@ -383,8 +388,8 @@ class PrefillLeg:
 class DecodeLeg(PrefillLeg):
     __slots__ = ("stored_at",)
 
-    def __init__(self, s: SimStack, req: SimRequest, eng: SimEngine):
-        super().__init__(s, req, eng)
+    def __init__(self, s: SimStack, req: SimRequest, eng: SimEngine, pinned: int = 0):
+        super().__init__(s, req, eng, pinned)
         self.stored_at = 0.0
 
     def _release(self, t: float, held: int) -> None:
@@ -417,6 +422,8 @@ class DecodeLeg(PrefillLeg):
             tpot = (t - (req.arrival + req.ttft - s.p.http_hop_s)) / (req.wl.output_len - 1)
             self.eng.rates.saw_stream((req.streams0 + self.eng.outstanding) / 2, tpot)
         self.eng.outstanding -= 1
+        self.eng.pinned -= self.pinned
+        s.answered(t, req, self.eng)
         t_out = t + s.p.http_hop_s
         req.e2e = t_out - req.arrival
         s.finish(t_out, req)

@@ -51,10 +51,10 @@ from .params import PDCTL_SETUP
 from .hardware import Hardware
 from .hardware import resolve as resolve_hw
 from .simstack import PolicyConfig, SimRequest, SimStack
-from .workloads import Mix, SimError, Workload  # noqa: F401  (re-exported: the simulator's inputs)
+from .workloads import Mix, Sessions, SimError, Workload  # noqa: F401  (re-exported: the simulator's inputs)
 
 GB = 1e9
-POLICIES = ("round-robin", "pdctl", "adaptive")
+POLICIES = ("round-robin", "pdctl", "adaptive", "cache-aware")
 
 
 def _summary(stack: SimStack, rate: float, num_prompts: int, duration: float, hit0: tuple) -> dict:
@@ -114,7 +114,10 @@ def _resolve(hardware, model) -> tuple[Hardware, ModelProfile]:
 
 
 def simulate_rate(cost: CostModel, roles: Sequence[str], workload, rate: float, num_prompts: int,
-                  policy: PolicyConfig, seed: int, kv_bytes: int, connector: bool = True) -> dict:
+                  policy: PolicyConfig, seed: int, kv_bytes: int, connector: bool = True,
+                  slo: tuple = (_d("workload", "ttft_slo_s"), _d("workload", "tpot_slo_ms") / 1000)) -> dict:
+    if isinstance(workload, Sessions):
+        return _simulate_sessions(cost, roles, workload, rate, num_prompts, policy, seed, kv_bytes, connector, slo)
     mix = Mix.of(workload)
     stack = SimStack(cost, roles, mix, policy, kv_bytes, connector)
     rng = random.Random(seed)
@@ -132,6 +135,20 @@ def simulate_rate(cost: CostModel, roles: Sequence[str], workload, rate: float, 
     hit0 = (c.lookup_requested_tokens, c.lookup_hit_tokens)
     stack.loop.run()
     return _summary(stack, rate, num_prompts, stack.last_t, hit0)
+
+
+def _simulate_sessions(cost: CostModel, roles: Sequence[str], sessions: Sessions, rate: float, num_turns: int,
+                       policy: PolicyConfig, seed: int, kv_bytes: int, connector: bool, slo: tuple) -> dict:
+    from .sessions import SessionDriver, session_fields
+    stack = SimStack(cost, roles, sessions.mix(), policy, kv_bytes, connector)
+    driver = SessionDriver(stack, sessions, seed)
+    window = driver.schedule(rate, num_turns, seed)
+    c = stack.store.c
+    hit0 = (c.lookup_requested_tokens, c.lookup_hit_tokens)
+    stack.loop.run()
+    res = _summary(stack, rate, len(stack.done), stack.last_t, hit0)
+    res.update(session_fields(driver, window, *slo))
+    return res
 
 
 def roles_for(prefill: int, decode: int, both: int = 0, policy: str = "round-robin") -> tuple:
@@ -162,6 +179,9 @@ def simulate(hardware: object = "a100-80gb", model: object = _d("install", "mode
         raise SimError(f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
     if min(prefill, decode, both) < 0:
         raise SimError(f"engine counts must be >= 0, got {prefill}P{decode}D{both}B")
+    if policy == "cache-aware" and (prefill or decode):
+        raise SimError(f"--policy cache-aware routes whole requests: engines must all be both, got "
+                       f"{prefill}P{decode}D{both}B")
     if policy == "round-robin" and (prefill < 1 or decode + both < 1):
         raise SimError(f"need >= 1 prefiller (round-robin) and >= 1 decoder, got {prefill}P{decode + both}D")
     if decode + both < 1 and not (policy == "adaptive" and prefill):
@@ -172,8 +192,10 @@ def simulate(hardware: object = "a100-80gb", model: object = _d("install", "mode
         raise SimError(f"--rates must be positive numbers (or inf), got {list(rates)}")
     if kv_size_gb <= 0:
         raise SimError(f"KV server size must be > 0 GB, got {kv_size_gb}")
-    mix = Mix.of(workload)
-    mix.check()
+    if isinstance(workload, Sessions):
+        workload.check()
+    else:
+        Mix.of(workload).check()
     hw, mp = _resolve(hardware, model)
     if params is None:
         try:
@@ -190,5 +212,7 @@ def simulate(hardware: object = "a100-80gb", model: object = _d("install", "mode
                        f"workers decide() chose), got {policy!r}")
     pol = PolicyConfig(policy, skip_uncached_max, thresholds, admission)
     roles = roles_for(prefill, decode, both, policy)
-    return [simulate_rate(cost, roles, mix, float(r), num_prompts, pol, seed + i, int(kv_size_gb * GB), connector)
-            for i, r in enumerate(rates)]
+    slo = (admission.ttft_slo_s, admission.tpot_slo_s) if admission is not None else \
+        (_d("workload", "ttft_slo_s"), _d("workload", "tpot_slo_ms") / 1000)
+    return [simulate_rate(cost, roles, workload, float(r), num_prompts, pol, seed + i, int(kv_size_gb * GB),
+                          connector, slo) for i, r in enumerate(rates)]

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from appliance.settings.schema import default as _d
 
+from ..errors import BenchError
+from .profiles import SESSION_PROFILES, SessionProfile
+
 
 class SimError(ValueError):
     """Bad simulator input (what, and how to fix it)."""
@@ -56,3 +59,35 @@ class Mix:
             if x < 0:
                 return i
         return len(self.classes) - 1
+
+
+@dataclass(frozen=True)
+class Sessions:
+    """Conversations instead of single requests (issue 32): a ``SessionProfile`` (the system prompt every
+    conversation shares, a first message, answers, later messages, turns, think time) and the engines'
+    ``max_model_len``, past which a conversation ends (its next turn would be refused by the engine). The simulator
+    starts conversations at ``rate / turns_mean`` per second (Poisson), so a rate means turns per second, as a
+    single-turn rate means requests per second; each next turn comes a think time after the last answer ended."""
+    profile: SessionProfile = SESSION_PROFILES["chat-sessions"]
+    max_model_len: int = _d("workload", "max_model_len")
+
+    def check(self) -> None:
+        try:
+            self.profile.check("sessions")
+        except BenchError as exc:
+            raise SimError(str(exc)) from None
+        if self.profile.last_turn(self.max_model_len) < 1:
+            raise SimError(f"sessions: a first turn ({self.profile.prompt_len(1)} prompt + "
+                           f"{self.profile.answer_len} answer tokens) does not fit max_model_len "
+                           f"{self.max_model_len}")
+
+    def turn(self, k: int) -> Workload:
+        """Turn ``k``'s request shape (1-based): the whole history is its prompt; the system prompt is shared."""
+        p = self.profile
+        return Workload(p.prompt_len(k), p.system_len, p.answer_len)
+
+    def mix(self) -> Mix:
+        """One class of the mean turn's shape: what the admission prior and the warm-up read."""
+        p = self.profile
+        mean = round(p.prompt_len(1) + (p.turns_mean - 1) / 2 * (p.answer_len + p.message_len))
+        return Mix(((1.0, Workload(mean, p.system_len, p.answer_len)),))
