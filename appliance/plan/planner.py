@@ -184,7 +184,8 @@ def make_plan(inv: Inventory, model: ModelProfile, work: Workload = Workload(),
                       aggregate_max_uncached=th.aggregate_max_uncached,
                       split_max_prefill_backlog=th.split_max_prefill_backlog,
                       split_idle_max_running=th.split_idle_max_running,
-                      consumer_max_uncached=th.consumer_max_uncached)
+                      consumer_max_uncached=th.consumer_max_uncached, warm_min_tokens=th.warm_min_tokens,
+                      warm_max_extra_load=th.warm_max_extra_load)
 
     if ov.engine == "vllm-cpu":
         return _cpu_plan(inv, model, work, ov, version, served, proxy, reasons)

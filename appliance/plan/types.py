@@ -22,7 +22,7 @@ PROXY_TUNING = {
 
 # the [proxy] keys ProxyPlan carries besides PROXY_TUNING (from_json fills absent ones from the schema)
 _PROXY_PLAN_KEYS = ("kv_wait_s", "aggregate_max_uncached", "split_max_prefill_backlog", "split_idle_max_running",
-                    "consumer_max_uncached", "pd_min_prompt_tokens", "api_key_file", "keys_file",
+                    "consumer_max_uncached", "warm_min_tokens", "warm_max_extra_load", "pd_min_prompt_tokens", "api_key_file", "keys_file",
                     "public_status")
 LEGACY_POLICY = "pdctl"   # a plan.json without "policy" predates the adaptive policy: it ran pdctl's rule
 
@@ -82,6 +82,8 @@ class ProxyPlan:
     split_max_prefill_backlog: int = _d("proxy", "split_max_prefill_backlog")
     split_idle_max_running: int = _d("proxy", "split_idle_max_running")
     consumer_max_uncached: int = _d("proxy", "consumer_max_uncached")
+    warm_min_tokens: int = _d("proxy", "warm_min_tokens")
+    warm_max_extra_load: float = _d("proxy", "warm_max_extra_load")
     admission: dict = field(default_factory=dict)   # [admission] + the SLOs, max_num_seqs and the twin's prior
     #                                                 (proxy/config.admission_from_plan; {} = the defaults)
     # + reliability and the public listener: one field per PROXY_TUNING key (schema_fields)

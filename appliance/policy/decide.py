@@ -70,12 +70,14 @@ class Thresholds:
     consumer_max_uncached: int = _d("proxy", "consumer_max_uncached")    # a decode-only worker aggregates at most
     # a warm worker (its GPU prefix cache holds this prompt) is preferred while it holds at least this many more
     # of the prompt's tokens than the least-loaded one (two LMCache chunks: less saves nothing worth a queue; 0 =
-    # off: load alone decides, as before; `pdctl proxy --warm-min-tokens`) ...
-    warm_min_tokens: int = 512
-    # ... and its load (WorkerLoad.load) is at most this much above the least-loaded one's (a few streams: a
-    # warm worker that is the bottleneck gives the turn away, at the cost of an L1 load, never a recompute of the
-    # history the L1 holds)
-    warm_max_extra_load: float = 4.0
+    # off: load alone decides, as before) ...
+    warm_min_tokens: int = _d("proxy", "warm_min_tokens")
+    # ... and its load (WorkerLoad.load) is at most this much above the least-loaded one's: a warm worker that is
+    # the bottleneck gives the turn away, at the cost of an L1 load and the last answer computed again. 16 from
+    # the twin (benchmarks/chat_sessions_twin.py --sweep-warm, 3x A100 and 2x H200): 4 moved a third of the turns
+    # (1.27-1.35 prompt tokens computed per new one), 16 keeps ~1.13 with the lowest TTFT p95 at the ceiling; 64
+    # leaves the load uneven enough that admission refuses more; goodput is the same from 4 to 64
+    warm_max_extra_load: float = _d("proxy", "warm_max_extra_load")
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,9 @@ def register(subparsers) -> None:
     p.add_argument("--warm-min-tokens", type=int, metavar="TOKENS",
                    help="adaptive: prefer the worker whose own prefix cache holds this many more of the prompt "
                         "than the least-loaded one (a conversation's next turn; default 512; 0 = off: load alone)")
+    p.add_argument("--warm-max-extra-load", type=float, metavar="LOAD",
+                   help="adaptive: ... while that warm worker is at most this much busier than the least-loaded "
+                        "(default 16)")
     p.add_argument("--config", type=Path, default=C.CONFIG_PATH, help="pdctl.toml (its plan.json is read)")
     p.add_argument("--api-key-file", type=Path, help="file holding the key clients must send as Bearer")
     p.add_argument("--keys-file", type=Path, help="named keys with classes and limits ([proxy] keys_file; "
@@ -140,11 +143,12 @@ def config_from_args(args, plan=None) -> ProxyConfig:
         if v is not None:
             kw[k] = str(Path(v).absolute())
     th = {f: getattr(args, f) for f in ("aggregate_max_uncached", "split_max_prefill_backlog",
-                                        "split_idle_max_running", "consumer_max_uncached", "warm_min_tokens")
+                                        "split_idle_max_running", "consumer_max_uncached", "warm_min_tokens",
+                                        "warm_max_extra_load")
           if getattr(args, f) is not None}
-    if any(v < 0 for v in th.values()):
-        raise SystemExit("pdctl proxy: --aggregate-max-uncached, --split-max-prefill-backlog, "
-                         "--split-idle-max-running, --consumer-max-uncached and --warm-min-tokens must be >= 0")
+    for f, v in th.items():
+        if v < 0:
+            raise SystemExit(f"pdctl proxy: --{f.replace('_', '-')} {v:g}: must be >= 0")
     if th:
         kw["thresholds"] = replace(cfg.thresholds, **th)
     kw["api_key"] = _read_key(args.api_key_file)

@@ -105,7 +105,8 @@ def from_plan(plan, **overrides) -> ProxyConfig:
     kw = dict(backends=tuple(specs), host=p.host, port=p.port, internal_port=p.internal_port, policy=p.policy,
               kv_wait_s=p.kv_wait_s, pd_min_prompt_tokens=p.pd_min_prompt_tokens,
               thresholds=Thresholds(p.aggregate_max_uncached, p.split_max_prefill_backlog, p.split_idle_max_running,
-                                    p.consumer_max_uncached),
+                                    p.consumer_max_uncached, warm_min_tokens=p.warm_min_tokens,
+                                    warm_max_extra_load=p.warm_max_extra_load),
               public_status=getattr(p, "public_status", False), kv_url=plan.kv_server.http_url,
               token_ids=_token_ids(plan), control_token_file=str(C.PROXY_CONTROL_TOKEN), **admission_from_plan(p),
               **{k: getattr(p, k) for keys in PROXY_TUNING.values() for k in keys})

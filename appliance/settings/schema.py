@@ -115,6 +115,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "consumer_max_uncached": Key(int, 512, "adaptive: a decode-only worker (kv_consumer, stores nothing) "
                                                "serves a whole request only while at most this many tokens are "
                                                "uncached", "nonneg"),
+        "warm_min_tokens": Key(int, 512, "adaptive: a conversation's next turn goes to the worker whose own GPU "
+                                         "prefix cache holds at least this many more of its prompt than the "
+                                         "least-loaded worker (0 = off: load alone decides)", "nonneg"),
+        "warm_max_extra_load": Key(float, 16.0, "adaptive: ... while that warm worker's load is at most this much "
+                                                "above the least-loaded one's (benchmarks/chat_sessions_twin.py "
+                                                "--sweep-warm)", "nonnegf"),
         "kv_wait_s": Key(float, 2.0, "bounded wait for LMCache's request_store_finished before the decode leg "
                                      "(0 = do not wait)", "nonnegf"),
         "pd_min_prompt_tokens": Key(int, 512, "shorter prompts skip the prefill leg", "nonneg"),

@@ -237,7 +237,8 @@ def test_the_carriers_of_settings_start_from_the_schema():
                (Limits(), {"listener": tuple(SCHEMA["listener"])}),
                (Workload(), {"workload": tuple(SCHEMA["workload"])}),
                (Thresholds(), {"proxy": ("aggregate_max_uncached", "split_max_prefill_backlog",
-                                         "split_idle_max_running", "consumer_max_uncached")}),
+                                         "split_idle_max_running", "consumer_max_uncached",
+                                         "warm_min_tokens", "warm_max_extra_load")}),
                (ProxyPlan("h", 1, 2), {"proxy": ("policy", "kv_wait_s", "pd_min_prompt_tokens", "public_status")}),
                (ProxyConfig(backends=()), {"proxy": ("host", "policy", "kv_wait_s", "pd_min_prompt_tokens")})]
     for obj, sections in carried:

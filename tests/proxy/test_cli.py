@@ -183,13 +183,16 @@ def test_adaptive_thresholds_from_flags_and_from_the_plan():
     assert cfg.thresholds == Thresholds(aggregate_max_uncached=0, split_idle_max_running=9)
     with pytest.raises(SystemExit, match="must be >= 0"):
         pcli.config_from_args(ap.parse_args(["proxy", "--both", "http://127.0.0.1:1", "--consumer-max-uncached", "-1"]))
-    with pytest.raises(SystemExit, match="--warm-min-tokens must be >= 0"):
+    with pytest.raises(SystemExit, match="--warm-min-tokens -1: must be >= 0"):
         pcli.config_from_args(ap.parse_args(["proxy", "--both", "http://127.0.0.1:1", "--warm-min-tokens", "-1"]))
-    off = pcli.config_from_args(ap.parse_args(["proxy", "--both", "http://127.0.0.1:1", "--warm-min-tokens", "0"]))
-    assert off.thresholds.warm_min_tokens == 0
+    with pytest.raises(SystemExit, match="--warm-max-extra-load -0.5: must be >= 0"):
+        pcli.config_from_args(ap.parse_args(["proxy", "--both", "http://127.0.0.1:1", "--warm-max-extra-load", "-0.5"]))
+    off = pcli.config_from_args(ap.parse_args(["proxy", "--both", "http://127.0.0.1:1", "--warm-min-tokens", "0",
+                                               "--warm-max-extra-load", "2.5"]))
+    assert off.thresholds.warm_min_tokens == 0 and off.thresholds.warm_max_extra_load == 2.5
     from appliance.inventory import detect
     from appliance.model.profiles import resolve
     from appliance.plan.planner import Overrides, Workload, make_plan
-    th = Thresholds(1000, 2000, 3, 4)
+    th = Thresholds(1000, 2000, 3, 4, warm_min_tokens=256, warm_max_extra_load=9.0)
     plan = make_plan(detect("fake:2xH200"), resolve("deepseek-v2-lite"), Workload(), Overrides(both=2, thresholds=th))
     assert from_plan(Plan.from_json(plan.to_json())).thresholds == th     # through plan.json, unchanged

@@ -5,6 +5,7 @@ the warm worker is the busier one by more than the rule allows, the turn moves t
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import httpx
 
@@ -72,7 +73,10 @@ def _served_by(urls: list, before: list) -> str:
 
 
 async def test_a_conversation_stays_on_its_warm_worker_until_that_worker_is_the_busier_one(twins, proxy_factory):
-    px = await proxy_factory(cfg(twins))
+    # the rule's mechanics with a small allowance (4): six streams make the warm worker the bottleneck; the default
+    # (16, benchmarks/chat_sessions_twin.py --sweep-warm) would take 18 on a twin engine
+    base = cfg(twins)
+    px = await proxy_factory(replace(base, thresholds=replace(base.thresholds, warm_max_extra_load=4.0)))
     await _warmed_up(twins)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FIRST}]
     prompts = [_engine(u, PROMPT_TOKENS) for u in twins]
@@ -91,7 +95,7 @@ async def test_a_conversation_stays_on_its_warm_worker_until_that_worker_is_the_
     # the engine found each turn's history (at least turn 1's prompt, less a partial block) in its own cache
     assert first > 1000 and _engine(home_url, HITS) - hits >= 3 * (first - 64), (first, hits)
 
-    # the warm worker is now the busier one: six long streams on it (more than decide's 4 of extra load)
+    # the warm worker is now the busier one: six long streams on it (more than the 4 of extra load allowed here)
     long_body = {"model": "twin-m", "prompt": "hold", "max_tokens": 400, "ignore_eos": True, "stream": True}
     holders = [asyncio.ensure_future(run(home_url, "/v1/completions", long_body)) for _ in range(6)]
     for _ in range(400):               # the proxy reads the engine's queue from its /metrics (as it scrapes)
