@@ -215,9 +215,10 @@ class TwinEngine:
 
     # ---- requests --------------------------------------------------------------------------------
     async def submit(self, ids: list[int], max_tokens: int, vllm_rid: str,
-                     arrived: Optional[float] = None) -> tuple[Seq, _Live]:
+                     arrived: Optional[float] = None, answer_at: Optional[int] = None) -> tuple[Seq, _Live]:
         """Admit a request that reached the API at loop time ``arrived`` (its own parsing counts toward the
-        setup's API-server cost, which is charged from then)."""
+        setup's API-server cost, which is charged from then). ``answer_at``: a chat request, whose answer starts at
+        that filler token (its blocks are cached when it ends, ``_cache_answer``)."""
         live = _Live(self, len(ids), max_tokens)
         chunks = tokens.chunk_hashes(ids)
         loop = asyncio.get_running_loop()
@@ -240,6 +241,8 @@ class TwinEngine:
         if adm.local:
             seq.share_key, seq.share_tokens = last, adm.local
         seq.chunks = chunks  # type: ignore[attr-defined]
+        if answer_at is not None:
+            seq.chat = (ids, answer_at)  # type: ignore[attr-defined]
         live.admitted = time.monotonic()
         self.core.add(seq, adm.defer)
         self._work.set()
@@ -251,6 +254,7 @@ class TwinEngine:
             seq.payload.finish("abort")
 
     def _on_finished(self, seq: Seq) -> None:
+        self._cache_answer(seq)
         if self.opts.role in ("prefill", "both"):
             self._store_once(seq)
         stored_at = getattr(seq, "stored_at", 0.0) * self.scale
@@ -263,6 +267,19 @@ class TwinEngine:
         await asyncio.sleep(max(0.0, when - asyncio.get_running_loop().time()))
         self.core.release_held(held)
         self._work.set()
+
+    def _cache_answer(self, seq: Seq) -> None:
+        """vLLM's prefix cache keeps the full blocks of what a sequence generated, so a conversation's next turn
+        on this engine (its prompt repeats this one and the answer) finds the answer too. A chat answer comes back
+        as an ``assistant: ...`` line of the twin's chat template, which continues this prompt's ids."""
+        chat = getattr(seq, "chat", None)
+        if chat is None or not self.cost.params.prefix_cache or seq.gen < 1:
+            return
+        ids, start = chat
+        answer = "".join(tokens.filler(start + i) for i in range(seq.gen))
+        full = list(ids) + tokens.tokenize("assistant: " + answer)
+        b = self.opts.engine.block_size
+        self.apc.warm([h for h, n in tokens.chunk_hashes(full, b) if n == b])
 
     def _store_once(self, seq: Seq) -> None:
         if self.kv is not None and not getattr(seq, "stored", False):

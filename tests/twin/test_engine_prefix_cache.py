@@ -28,7 +28,8 @@ def _engine_argv(argv: tuple, setup: str | None) -> list:
     return a
 
 
-def _two_requests(tmp_path, setup: str | None) -> dict:
+def _with_engine(tmp_path, setup: str | None, requests) -> dict:
+    """Start the demo plan's KV server and first twin engine, run ``requests(url, model)``, return its /metrics."""
     plan = twin_plan("fake:2xH200", "deepseek-v2-lite", tmp_path, time_scale=0.05)   # the demo's plan, on 2 GPUs
     kv, w = plan.kv_server, plan.workers[0]
     assert "--setup" in w.argv and w.argv[w.argv.index("--setup") + 1] == "pdctl", w.argv
@@ -40,13 +41,19 @@ def _two_requests(tmp_path, setup: str | None) -> dict:
             url = f"{kv.http_url}/healthcheck" if name == "kv" else f"{w.url()}/health"
             wait_http(url, 60, procs, lambda p, n=name: f"{n} exited {p.returncode}: "
                       f"{(tmp_path / f'{n}.log').read_text()}")
-        for k in (1, 2):
-            r = httpx.post(w.url() + "/v1/completions", json={"model": plan.served_model_name, "max_tokens": 2,
-                                                              "prompt": prompt_text(PREFIX, UNIQUE, k)}, timeout=60)
-            assert r.status_code == 200, r.text
+        requests(w.url(), plan.served_model_name)
         return scrape(w.url())["values"]
     finally:
         stop_all(procs)
+
+
+def _two_requests(tmp_path, setup: str | None) -> dict:
+    def two(url: str, model: str) -> None:
+        for k in (1, 2):
+            r = httpx.post(url + "/v1/completions", json={"model": model, "max_tokens": 2,
+                                                          "prompt": prompt_text(PREFIX, UNIQUE, k)}, timeout=60)
+            assert r.status_code == 200, r.text
+    return _with_engine(tmp_path, setup, two)
 
 
 def test_twin_stack_engines_hit_their_own_prefix_cache(tmp_path):
@@ -62,3 +69,29 @@ def test_the_seed_setup_would_show_no_local_hits(tmp_path):
     v = _two_requests(tmp_path, "seed")
     assert v.get("vllm:prefix_cache_hits_total", 0) == 0, v
     assert v["vllm:external_prefix_cache_hits_total"] >= PREFIX - 256
+
+
+def test_a_conversations_next_turn_finds_its_last_answer_in_the_engines_cache(tmp_path):
+    """Issue 32: vLLM caches the full blocks of what it generated, so turn 2 on the same engine (turn 1's prompt,
+    the answer that came back, a new message) finds turn 1's prompt and its answer: it computes only the last
+    partial block and the new message."""
+    from appliance.twin import tokens
+    messages = [{"role": "system", "content": prompt_text(PREFIX, 0, 0)}, {"role": "user", "content": "hello there"}]
+    seen: dict = {}
+
+    def turns(url: str, model: str) -> None:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 300,
+                                                           "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        answer = r.json()["choices"][0]["message"]["content"]
+        seen["before"] = scrape(url)["values"].get("vllm:prefix_cache_hits_total", 0)
+        turn2 = messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+        seen["turn1"], seen["turn2"] = len(tokens.chat_ids(messages)), len(tokens.chat_ids(turn2))
+        r = httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": turn2, "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+
+    v = _with_engine(tmp_path, None, turns)
+    hits = v["vllm:prefix_cache_hits_total"] - seen["before"]
+    assert seen["turn2"] - seen["turn1"] > 300           # the answer and the new message
+    assert hits >= seen["turn2"] - 64 - 8, (hits, seen)  # all but the last partial block and the new message
