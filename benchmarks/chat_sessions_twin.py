@@ -51,7 +51,7 @@ from appliance.twin.workloads import Sessions  # noqa: E402
 PROFILES = {"a100": ("a100-80gb", 3), "h200": ("h200", 2)}     # name: (hardware, GPUs)
 NVML = {"a100-80gb": "A100-80GB", "h200": "H200"}
 MODEL = "deepseek-v2-lite"      # the seed's model
-WINDOW_S = 240.0                # seconds of conversation starts per rate (a conversation lasts ~90 s)
+from appliance.twin.sessions import STEADY_WINDOW_S as WINDOW_S  # noqa: E402  (seconds of starts per rate)
 MULTIPLES = (0.7, 1.0, 1.5, 2.0)
 LIGHT = (0.7, 1.0)              # where turn 5's TTFT p50 is compared with turn 1's
 TURN_TOL = 0.20

@@ -100,9 +100,22 @@ def plan_prompts(rate: float) -> int:
 
 
 def plan_workload(work: Workload):
-    """The twin's workload for ranking: the typical prompt, plus the cold share as its own class."""
-    from ..twin.simulator import Mix
+    """The twin's workload for ranking: the typical prompt, plus the cold share as its own class; or, with
+    ``sessions``, conversations whose first turn is the typical prompt (the cold share does not apply)."""
+    from ..twin.simulator import Mix, Sessions
     from ..twin.simulator import Workload as SimWorkload
+    if work.sessions:
+        from ..twin.profiles import SessionProfile
+        if work.session_turns_max < work.session_turns_min:
+            raise PlanError(f"[workload] session_turns_max {work.session_turns_max} is below session_turns_min "
+                            f"{work.session_turns_min}")
+        system = min(work.prefix_len, work.input_len)
+        prof = SessionProfile("workload", system, work.input_len - system, work.session_message_len,
+                              work.output_len, work.session_turns_min, work.session_turns_max, work.session_think_s)
+        if prof.last_turn(work.max_model_len) < 1:
+            raise PlanError(f"[workload] sessions: a first turn ({work.input_len} prompt + {work.output_len} answer "
+                            f"tokens) does not fit max_model_len {work.max_model_len}")
+        return Sessions(prof, work.max_model_len)
     warm = SimWorkload(work.input_len, min(work.prefix_len, work.input_len), work.output_len)
     if not work.cold_share:
         return warm
@@ -146,6 +159,8 @@ def _rank_families(gpu_name: str, n_gpus: int, model: ModelProfile, work: Worklo
 
 
 def workload_shape(work: Workload) -> str:
+    if work.sessions:
+        return plan_workload(work).describe()
     return (f"{work.prefix_len}+{work.input_len - work.prefix_len} in / {work.output_len} out"
             + (f", {work.cold_share:.0%} cold {work.cold_input_len} in / {work.cold_output_len} out"
                if work.cold_share else ""))

@@ -17,7 +17,9 @@ def planner_inputs(s: Settings) -> tuple[Workload, Overrides]:
     work = Workload(input_len=w["input_len"], prefix_len=w["prefix_len"], output_len=w["output_len"],
                     max_model_len=w["max_model_len"], ttft_slo_s=w["ttft_slo_s"], tpot_slo_ms=w["tpot_slo_ms"],
                     cold_share=w["cold_share"], cold_input_len=w["cold_input_len"],
-                    cold_output_len=w["cold_output_len"], peak_rate=w["peak_rate"])
+                    cold_output_len=w["cold_output_len"], peak_rate=w["peak_rate"], sessions=w["sessions"],
+                    session_turns_min=w["session_turns_min"], session_turns_max=w["session_turns_max"],
+                    session_message_len=w["session_message_len"], session_think_s=w["session_think_s"])
     p, ports, px, kv, inst = v["plan"], v["ports"], v["proxy"], v["kv_server"], v["install"]
     ov = Overrides(
         prefill=p["prefill"], decode=p["decode"], both=p["both"], tp=p["tp"], gpus=tuple(p["gpu_indices"]),

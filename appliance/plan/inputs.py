@@ -24,7 +24,8 @@ class PlanError(ValueError):
 class Workload:
     """Traffic the plan is sized for (default: the seed's P50 profile), and the SLOs it must hold: one field per
     key of [workload] in pdctl.toml (input_len, prefix_len, output_len, max_model_len, ttft_slo_s, tpot_slo_ms,
-    cold_share, cold_input_len, cold_output_len, peak_rate), defaults from the config schema."""
+    cold_share, cold_input_len, cold_output_len, peak_rate, sessions and its session_* keys), defaults from the
+    config schema."""
 
 
 @dataclass(frozen=True)

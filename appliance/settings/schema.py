@@ -88,6 +88,15 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "cold_output_len": Key(int, 561, "output tokens of a cold request (seed P95)", "pos"),
         "peak_rate": Key(float, 60.0, "the traffic's peak rate in req/s; what-if reports each family's goodput there",
                          "posf"),
+        "sessions": Key(bool, False, "the traffic is conversations: turn n+1's prompt is turn n's, its answer and a "
+                                     "new message (input_len is turn 1's prompt, prefix_len the shared system "
+                                     "prompt, output_len every answer); what-if and the planner's family ranking "
+                                     "run conversations (minutes, not seconds: each rate runs 240 s of them)"),
+        "session_turns_min": Key(int, 3, "conversations: turns each, at least", "pos"),
+        "session_turns_max": Key(int, 10, "conversations: turns each, at most", "pos"),
+        "session_message_len": Key(int, 150, "conversations: tokens of every later user message", "pos"),
+        "session_think_s": Key(float, 8.0, "conversations: mean seconds between an answer and the next turn "
+                                           "(exponential)", "nonnegf"),
     },
     "ports": {
         "proxy": Key(int, C.PROXY_PORT, "public OpenAI-compatible port", "port"),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import BenchError
+from ..settings.schema import default as _d
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,14 @@ class SessionProfile:
     plus answer would pass the engines' ``max_model_len`` (the engine would refuse it with a 400: the client
     must start a new conversation or trim its history; pdctl does not trim)."""
     name: str
-    system_len: int = 6000      # tokens of the system prompt every conversation shares
-    first_len: int = 1900       # tokens of a conversation's first user message
-    message_len: int = 150      # tokens of every later user message
-    answer_len: int = 250       # tokens of every answer (ignore_eos + max_tokens make it exact)
-    turns_min: int = 3          # turns per conversation: uniform in [turns_min, turns_max]
-    turns_max: int = 10
-    think_s: float = 8.0        # mean seconds between an answer's end and the next turn (exponential)
+    # defaults: [workload] of the config schema, the seed's P50 request as a conversation's first turn
+    system_len: int = _d("workload", "prefix_len")   # tokens of the system prompt every conversation shares
+    first_len: int = _d("workload", "input_len") - _d("workload", "prefix_len")   # its first user message
+    message_len: int = _d("workload", "session_message_len")   # tokens of every later user message
+    answer_len: int = _d("workload", "output_len")   # tokens of every answer (ignore_eos + max_tokens: exact)
+    turns_min: int = _d("workload", "session_turns_min")   # turns per conversation: uniform in [min, max]
+    turns_max: int = _d("workload", "session_turns_max")
+    think_s: float = _d("workload", "session_think_s")   # mean seconds from an answer's end to the next turn
 
     def check(self, where: str = "session profile") -> None:
         for key in ("first_len", "message_len", "answer_len", "turns_min"):
@@ -87,8 +89,9 @@ class SessionProfile:
 
 
 SESSION_PROFILES = {
-    # the seed's P50 shape as conversations: a 6,000-token system prompt, a ~1,900-token first message, ~250-token
-    # answers, 3-10 turns (issue 32); at turn 10 the prompt is 11,500 tokens (pdctl's max_model_len is 20,000)
+    # the seed's P50 shape as conversations: a 6,000-token system prompt, a 1,869-token first message, 252-token
+    # answers, 150-token later messages, 3-10 turns (issue 32); at turn 10 the prompt is 11,478 tokens (pdctl's
+    # max_model_len is 20,000)
     "chat-sessions": SessionProfile("chat-sessions"),
 }
 

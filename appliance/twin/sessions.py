@@ -21,6 +21,8 @@ from .simstack import SimRequest, SimStack
 from .workloads import Sessions
 
 
+STEADY_WINDOW_S = 240.0   # seconds of conversation starts a rate needs (a conversation lasts ~90 s at 8 s of
+#                           thought: the first third fills the box, the rest is the steady state that is counted)
 RETRY_S = (1.0, 2.0)      # a refused turn is asked again after these waits (the OpenAI SDK retries twice)
 
 
@@ -123,5 +125,7 @@ def session_fields(driver: SessionDriver, window: float, ttft_slo_s: float, tpot
                       "computed": first_computed / prompt if prompt else 0.0},
         "good_turns": sum(1 for r in ok if good(r)),
         "turns_asked_per_s": len(steady) / span,
+        # what the box delivered in the steady state (the run's duration holds the fill and the drain too)
+        "request_throughput": sum(1 for r in steady if r.ttft is not None and not r.failed and not r.refused) / span,
         "session_goodput": sum(1 for r in steady if good(r)) / span,
     }

@@ -30,7 +30,8 @@ from .hardware import HardwareError
 from .hardware import resolve as resolve_hw
 from .params import PDCTL_SETUP
 from .profiles import load_profile
-from .simulator import Mix, SimError, Workload, simulate
+from .sessions import STEADY_WINDOW_S
+from .simulator import Mix, Sessions, SimError, Workload, simulate
 
 OBJECTIVES = ("max-rate-under-slo",)
 
@@ -234,6 +235,8 @@ def _what_if(box: tuple, model: str, workload, rates: Sequence[float], *, slo_tt
         raise BenchError(f"what-if: {exc}") from None
 
     extra = {"thresholds": thresholds} if thresholds is not None else {}
+    if isinstance(workload, Sessions):     # a conversation lasts its turns: fill the box, then a steady state
+        min_window_s = max(min_window_s, STEADY_WINDOW_S)
 
     def sim(p: int, d: int, b: int, rs: Sequence[float]) -> list:
         # at least ``min_window_s`` of arrivals per rate: a short run past capacity ends before its queue grows
@@ -328,6 +331,7 @@ def render(w: WhatIf) -> str:
     wl = w.workload
     tpot = w.slo_tpot_p95_ms is not None
     shape = (f"{wl.prefix_len}+{wl.input_len - wl.prefix_len} in / {wl.output_len} out" if isinstance(wl, Workload)
+             else wl.describe() if isinstance(wl, Sessions)
              else " + ".join(f"{share:g} x ({c.prefix_len}+{c.input_len - c.prefix_len} in / {c.output_len} out)"
                              for share, c in Mix.of(wl).classes))
     out = [f"what-if: {w.model} on up to {w.engines} engines of {w.hardware} ({w.policy} routing, {w.setup} "

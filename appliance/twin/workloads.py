@@ -86,6 +86,11 @@ class Sessions:
         p = self.profile
         return Workload(p.prompt_len(k), p.system_len, p.answer_len)
 
+    def describe(self) -> str:
+        p = self.profile
+        return (f"conversations of {p.turns_min}-{p.turns_max} turns, {p.system_len}+{p.first_len} in first, "
+                f"+{p.answer_len}+{p.message_len} a turn, {p.answer_len} out, think {p.think_s:g} s")
+
     def mix(self) -> Mix:
         """One class of the mean turn's shape: what the admission prior and the warm-up read."""
         p = self.profile
