@@ -90,9 +90,9 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
               "module entry point is used); lmcache 0.5.6; server needs --supported-transfer-mode auto",
         kv_both="lmcache 0.5.6, measured 2026-12-01 (docs/real-engines.md section 9): the same argv as kv_consumer is "
               "accepted, kv_load_failure_policy included; a both worker stores the whole chunks of its prompt "
-              "(a chunk holding generated tokens was not stored) and loads what the other stored (+768 "
-              "external hits for ~880-token prompts, both directions, split and aggregated); greedy text "
-              "equals a connector-less engine's; "
+              "(a chunk holding generated tokens was not stored: save_decode_cache off, see answers_in_l1) "
+              "and loads what the other stored (+768 external hits for ~880-token prompts, both directions, "
+              "split and aggregated); greedy text equals a connector-less engine's; "
               "with the telemetry env it posts request_store_finished for every finished request, even when "
               "nothing new was stored, so a both worker that may serve a P leg needs that env",
         stream_token_ids=True,
