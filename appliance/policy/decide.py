@@ -10,8 +10,8 @@ The rule, in plain words (defaults derived by ``benchmarks/decision_thresholds.p
    lookup; with ~80 % of the prompt in the shared L1 this is the common case), or on the worker whose own GPU
    prefix cache is **warm** for this prompt (a conversation's next turn: the worker that served its last turn
    holds its history and last answer) while that worker holds at least ``warm_min_tokens`` more of the prompt
-   than the least-loaded one and is at most ``warm_max_extra_load`` busier: elsewhere the history comes back
-   over the host link from the L1 and the last answer is computed again. A decode-only worker
+   than the least-loaded one and is at most ``warm_max_extra_load`` busier: elsewhere the history and the
+   answer come back over the host link from the L1 (whole chunks; the partial one is computed again). A decode-only worker
    (kv_consumer) stores nothing, so it aggregates only prompts with at most ``consumer_max_uncached``
    uncached tokens; longer ones go to a ``both`` worker, or are split so the prefix gets stored for the
    next request.

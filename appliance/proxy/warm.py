@@ -1,8 +1,9 @@
 """Which worker's own GPU prefix cache is likely warm for a prompt: the prompts each worker served lately.
 
 A conversation's next turn repeats its whole history as the prompt's prefix. The worker that served the last turn
-still holds that history in vLLM's prefix cache (and the last answer, which the shared L1 may not hold: LMCache
-stores prompts); any other worker loads the history over the host link and computes the last answer again. The
+still holds that history and the last answer in vLLM's prefix cache; any other worker loads them over the host link
+from the L1 (the whole chunks: pdctl's plan has LMCache store the chunks an answer completes) and computes the
+last partial chunk again, which costs a load and a little compute, and time the warm worker does not spend. The
 proxy cannot ask an engine what its prefix cache holds, so "served lately" (a time-to-live, bounded size) stands
 in for "still there", as ``routing.PrefixIndex`` does for the L1: a wrong guess costs a host-link load, never a
 wrong answer. ``decide()`` weighs it against load (``Thresholds.warm_min_tokens``, ``warm_max_extra_load``).

@@ -139,6 +139,10 @@ SETUPS: dict[str, Setup] = {
         "async_lookup": True,
         # LMCache 0.5.3 honours kv_consumer (PR 5148): a decoder looks up and retrieves, never stores
         "consumer_stores": False,
+        # a storing worker's L1 holds the chunks its answers completed: LMCache 0.5.3 stores up to the tokens
+        # computed, answers included, with no key for it; 0.5.6 with lmcache.mp.save_decode_cache, which pdctl's
+        # plan sets (measured on real CPU engines: docs/real-engines.md section 10)
+        "stores_answers": True,
         # fitted: intercept of TTFT vs prompt length of the cold single-request probes (no connector), less the
         # twin's own hops and step overhead: API server parse + tokenize + detokenize + scheduling
         "api_overhead_s": 0.0135,

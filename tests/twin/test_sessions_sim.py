@@ -51,20 +51,21 @@ def test_the_warm_worker_keeps_the_conversation_and_computes_only_what_is_new(wa
     assert all(t["computed_tokens"] < PROFILE.message_len + PROFILE.answer_len for t in later)
 
 
-def test_without_the_warm_rule_turns_move_and_their_answers_are_computed_again(warm_on_off):
-    """Load alone decides: a turn lands on another worker, which loads the history from the L1 (whole chunks of the
-    last prompt) and computes the last answer and the partial chunks again."""
+def test_without_the_warm_rule_turns_move_and_load_their_history_from_the_l1(warm_on_off):
+    """Load alone decides: a turn lands on another worker, which loads the history and the last answer from the L1
+    (whole chunks) and computes the partial chunks again: more host-link loads, more compute, never the history."""
     on, off = warm_on_off["on"], warm_on_off["off"]
     assert R_WARM not in str(off["decisions"])
-    assert off["computed_per_new"] > on["computed_per_new"] + 0.15
-    assert off["kv_source"]["l1"] > on["kv_source"]["l1"]
+    assert off["kv_source"]["l1"] > on["kv_source"]["l1"] + 0.03
+    assert on["computed_per_new"] < off["computed_per_new"] <= 1.3
 
 
 def test_an_l1_that_stores_answers_spares_their_recompute_after_a_move():
     """LMCache's save_decode_cache: the chunks an answer completed are stored, so a moved turn loads them."""
     base = CostParams.for_setup("pdctl", HW)
-    off = run(warm=False, params=base)
-    on = run(warm=False, params=base.with_(stores_answers=True))
+    assert base.stores_answers                 # pdctl's setup: 0.5.3 stores answers, 0.5.6 with the plan's flag
+    off = run(warm=False, params=base.with_(stores_answers=False))
+    on = run(warm=False, params=base)
     assert on["computed_per_new"] < off["computed_per_new"] - 0.2
     assert on["kv_source"]["l1"] > off["kv_source"]["l1"]
 
