@@ -9,15 +9,17 @@ A refused turn is asked again after 1 s and 2 s (the OpenAI SDK's retries), then
 
 Setups, one run, the same conversations (seed fixed), the same engines (pdctl's setup on that GPU:
 ``CostParams.for_setup("pdctl", hardware)``):
-- ``pdctl``: the default plan (``make_plan``, as benchmarks/policy_study.py), the adaptive policy with the warm rule
+- ``pdctl``: the default plan (``make_plan``, as benchmarks/policy_study.py: its workers and its L1 size, which is
+  the fake box's host RAM less a reserve), the adaptive policy with the warm rule
   (``decide()``: a turn goes to the worker whose own GPU prefix cache holds its history while that worker is not the
   bottleneck) and SLO admission (the default ``[admission]``);
 - ``pdctl, warm off``: the same with ``warm_min_tokens = 0`` (load alone decides, the policy before issue 32);
-- ``round-robin 1P{n-1}D``: the seed's proxy (every turn split, P and D by one global round-robin index);
+- ``round-robin 1P{n-1}D``: the seed's proxy (every turn split, P and D by one global round-robin index) and the
+  seed's 80 GB L1;
 - ``vllm-router cache_aware``: the same engines all serving whole requests without the KV connector (no shared L1),
   behind vllm-router 0.1.17's default policy (appliance/twin/peer_router.py), no admission.
 Rates: 0.7x, 1x, 1.5x and 2x G, where G is the highest rate at which pdctl's default (admission off) holds TTFT p95
-and TPOT p95 of all turns within the SLOs (2 s, 80 ms), bisected. Each rate runs ``WINDOW_S`` of conversation
+and TPOT p95 of all turns within the SLOs (2 s, 80 ms), bisected. Each rate runs ``Sessions.steady_window_s()`` of conversation
 starts; rates (asked, goodput) count the last two thirds of that window (the first fills the box).
 
 Printed per setup and rate: goodput (turns/s within both SLOs), turns asked per second (retries included),
@@ -51,13 +53,13 @@ from appliance.twin.workloads import Sessions  # noqa: E402
 PROFILES = {"a100": ("a100-80gb", 3), "h200": ("h200", 2)}     # name: (hardware, GPUs)
 NVML = {"a100-80gb": "A100-80GB", "h200": "H200"}
 MODEL = "deepseek-v2-lite"      # the seed's model
-from appliance.twin.sessions import STEADY_WINDOW_S as WINDOW_S  # noqa: E402  (seconds of starts per rate)
 MULTIPLES = (0.7, 1.0, 1.5, 2.0)
 LIGHT = (0.7, 1.0)              # where turn 5's TTFT p50 is compared with turn 1's
 TURN_TOL = 0.20
 COMPUTED_MAX = 1.3
 GOODPUT_RATIO = 1.3
 SLO = (2.0, 0.080)
+SEED_L1_GB = 80.0               # the seed's LMCache --l1-size-gb (shared/reference/seed-runbooks.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,7 @@ class Setup:
     admission: bool = False
     connector: bool = True
     warm_extra: float = Thresholds().warm_max_extra_load
+    l1_gb: float = SEED_L1_GB
 
 
 def setups(hardware: str, gpus: int) -> list:
@@ -81,8 +84,9 @@ def setups(hardware: str, gpus: int) -> list:
                      Overrides(engine="twin"))
     p, d, b = (len(plan.by_role(r)) for r in ("prefill", "decode", "both"))
     fam = plan.predicted.get("family", f"{p}P{d}D{b}B")
-    return [Setup(f"pdctl ({fam}, adaptive, warm, admission)", p, d, b, "adaptive", True, True),
-            Setup(f"pdctl, warm off ({fam})", p, d, b, "adaptive", False, True),
+    l1 = plan.kv_server.l1_size_gb      # what the plan gives LMCache on this box (host RAM less a reserve)
+    return [Setup(f"pdctl ({fam}, adaptive, warm, admission)", p, d, b, "adaptive", True, True, l1_gb=l1),
+            Setup(f"pdctl, warm off ({fam})", p, d, b, "adaptive", False, True, l1_gb=l1),
             Setup(f"round-robin 1P{gpus - 1}D (seed)", 1, gpus - 1, 0, "round-robin"),
             Setup(f"vllm-router cache_aware, {gpus} engines, no connector", 0, 0, gpus, "cache-aware",
                   connector=False)]
@@ -92,9 +96,9 @@ def run(hardware: str, s: Setup, sessions: Sessions, rate: float, seed: int, adm
     th = Thresholds(warm_max_extra_load=s.warm_extra) if s.warm else Thresholds(warm_min_tokens=0)
     adm = admission if admission is not None else (Policy(ttft_slo_s=SLO[0], tpot_slo_s=SLO[1]) if s.admission
                                                    else None)
-    n = math.ceil(rate * WINDOW_S)
+    n = math.ceil(rate * sessions.steady_window_s())
     return simulate(hardware, MODEL, s.prefill, s.decode, sessions, [rate], num_prompts=n, policy=s.policy,
-                    seed=seed, both=s.both, thresholds=th, connector=s.connector, admission=adm,
+                    seed=seed, both=s.both, thresholds=th, connector=s.connector, admission=adm, kv_size_gb=s.l1_gb,
                     params=CostParams.for_setup(PDCTL_SETUP, hardware))[0]
 
 
@@ -131,7 +135,7 @@ def study(name: str, sessions: Sessions, seed: int) -> list:
     ss = setups(hardware, gpus)
     g = ceiling(hardware, ss[0], sessions, seed)
     print(f"\n## {gpus}x {NVML[hardware]}, {MODEL}: G = {g:.1f} turns/s (pdctl's default, admission off, "
-          f"both SLOs; {time.time() - t0:.0f} s)\n", flush=True)
+          f"both SLOs; L1 {ss[0].l1_gb:g} GB; {time.time() - t0:.0f} s)\n", flush=True)
     print("| setup | rate turns/s | goodput | asked (with retries) | refused | turn 1 TTFT p50 / p95 ms | "
           "turn 5 TTFT p50 / p95 ms | computed / new | KV from GPU / L1 / computed |")
     print("|---|---|---|---|---|---|---|---|---|")

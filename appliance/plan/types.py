@@ -22,7 +22,8 @@ PROXY_TUNING = {
 
 # the [proxy] keys ProxyPlan carries besides PROXY_TUNING (from_json fills absent ones from the schema)
 _PROXY_PLAN_KEYS = ("kv_wait_s", "aggregate_max_uncached", "split_max_prefill_backlog", "split_idle_max_running",
-                    "consumer_max_uncached", "warm_min_tokens", "warm_max_extra_load", "pd_min_prompt_tokens", "api_key_file", "keys_file",
+                    "consumer_max_uncached", "warm_min_tokens", "warm_max_extra_load", "pd_min_prompt_tokens",
+                    "api_key_file", "keys_file",
                     "public_status")
 LEGACY_POLICY = "pdctl"   # a plan.json without "policy" predates the adaptive policy: it ran pdctl's rule
 

@@ -11,7 +11,8 @@ The rule, in plain words (defaults derived by ``benchmarks/decision_thresholds.p
    prefix cache is **warm** for this prompt (a conversation's next turn: the worker that served its last turn
    holds its history and last answer) while that worker holds at least ``warm_min_tokens`` more of the prompt
    than the least-loaded one and is at most ``warm_max_extra_load`` busier: elsewhere the history and the
-   answer come back over the host link from the L1 (whole chunks; the partial one is computed again). A decode-only worker
+   answer come back over the host link from the L1 (whole chunks; the partial one is computed again). A
+   decode-only worker
    (kv_consumer) stores nothing, so it aggregates only prompts with at most ``consumer_max_uncached``
    uncached tokens; longer ones go to a ``both`` worker, or are split so the prefix gets stored for the
    next request.

@@ -91,7 +91,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "sessions": Key(bool, False, "the traffic is conversations: turn n+1's prompt is turn n's, its answer and a "
                                      "new message (input_len is turn 1's prompt, prefix_len the shared system "
                                      "prompt, output_len every answer); what-if and the planner's family ranking "
-                                     "run conversations (minutes, not seconds: each rate runs 240 s of them)"),
+                                     "run conversations (minutes, not seconds: each rate runs 3 conversation "
+                                     "lives of them)"),
         "session_turns_min": Key(int, 3, "conversations: turns each, at least", "pos"),
         "session_turns_max": Key(int, 10, "conversations: turns each, at most", "pos"),
         "session_message_len": Key(int, 150, "conversations: tokens of every later user message", "pos"),

@@ -21,8 +21,6 @@ from .simstack import SimRequest, SimStack
 from .workloads import Sessions
 
 
-STEADY_WINDOW_S = 240.0   # seconds of conversation starts a rate needs (a conversation lasts ~90 s at 8 s of
-#                           thought: the first third fills the box, the rest is the steady state that is counted)
 RETRY_S = (1.0, 2.0)      # a refused turn is asked again after these waits (the OpenAI SDK retries twice)
 
 
@@ -87,8 +85,9 @@ class SessionDriver:
 
 def session_fields(driver: SessionDriver, window: float, ttft_slo_s: float, tpot_slo_s: float) -> dict:
     """A run's conversation numbers (module docstring). Rates (``turns_asked_per_s``, ``session_goodput``) count the
-    turns asked in the last two thirds of the window conversations start in: the first third fills the box (a
-    conversation lasts its turns x (answer + think time)), so what follows is the steady state."""
+    turns asked in the last two thirds of the window conversations start in: the first third fills the box (run
+    ``Sessions.steady_window_s()`` of starts: the first third is one conversation's life), so what follows is the
+    steady state."""
     p = driver.sessions.profile
     done = driver.s.done
     ok = [r for r in done if r.ttft is not None and not r.failed and not r.refused]

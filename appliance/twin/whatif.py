@@ -30,7 +30,6 @@ from .hardware import HardwareError
 from .hardware import resolve as resolve_hw
 from .params import PDCTL_SETUP
 from .profiles import load_profile
-from .sessions import STEADY_WINDOW_S
 from .simulator import Mix, Sessions, SimError, Workload, simulate
 
 OBJECTIVES = ("max-rate-under-slo",)
@@ -236,7 +235,7 @@ def _what_if(box: tuple, model: str, workload, rates: Sequence[float], *, slo_tt
 
     extra = {"thresholds": thresholds} if thresholds is not None else {}
     if isinstance(workload, Sessions):     # a conversation lasts its turns: fill the box, then a steady state
-        min_window_s = max(min_window_s, STEADY_WINDOW_S)
+        min_window_s = max(min_window_s, workload.steady_window_s())
 
     def sim(p: int, d: int, b: int, rs: Sequence[float]) -> list:
         # at least ``min_window_s`` of arrivals per rate: a short run past capacity ends before its queue grows

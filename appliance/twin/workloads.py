@@ -61,6 +61,9 @@ class Mix:
         return len(self.classes) - 1
 
 
+ANSWER_TPOT_S = 0.03      # a typical streamed token's time, only to size how long a conversation lasts
+
+
 @dataclass(frozen=True)
 class Sessions:
     """Conversations instead of single requests (issue 32): a ``SessionProfile`` (the system prompt every
@@ -85,6 +88,15 @@ class Sessions:
         """Turn ``k``'s request shape (1-based): the whole history is its prompt; the system prompt is shared."""
         p = self.profile
         return Workload(p.prompt_len(k), p.system_len, p.answer_len)
+
+    def life_s(self, tpot_s: float = ANSWER_TPOT_S) -> float:
+        """About how long one conversation lasts: its mean turns x (an answer at ``tpot_s`` a token + thought)."""
+        p = self.profile
+        return p.turns_mean * (p.answer_len * tpot_s + p.think_s)
+
+    def steady_window_s(self) -> float:
+        """Seconds of conversation starts a simulated rate needs: one life fills the box, two are measured."""
+        return 3 * self.life_s()
 
     def describe(self) -> str:
         p = self.profile
