@@ -12,10 +12,9 @@ The rule, in plain words (defaults derived by ``benchmarks/decision_thresholds.p
    holds its history and last answer) while that worker holds at least ``warm_min_tokens`` more of the prompt
    than the least-loaded one and is at most ``warm_max_extra_load`` busier: elsewhere the history and the
    answer come back over the host link from the L1 (whole chunks; the partial one is computed again). A
-   decode-only worker
-   (kv_consumer) stores nothing, so it aggregates only prompts with at most ``consumer_max_uncached``
-   uncached tokens; longer ones go to a ``both`` worker, or are split so the prefix gets stored for the
-   next request.
+   decode-only worker (kv_consumer) stores nothing, so it aggregates only prompts with at most
+   ``consumer_max_uncached`` uncached tokens; longer ones go to a ``both`` worker, or are split so the prefix
+   gets stored for the next request.
 3. More: **split**. The P leg goes to a dedicated prefiller (role ``prefill``) with the smallest prefill
    backlog, or, when none has room, to a ``both`` worker that is decoding almost nothing (at most
    ``split_idle_max_running`` sequences, so no decode stream feels the long prefill). The D leg goes to
