@@ -1,4 +1,5 @@
-"""``pdctl bench``: a rate sweep against a running stack; ``pdctl bench compare A.json B.json``.
+"""``pdctl bench``: a rate sweep against a running stack (or multi-turn conversations: ``--profile chat-sessions``,
+session_cli.py); ``pdctl bench compare A.json B.json``.
 
 Exit codes: 0 ok (some requests may have failed or been refused: they are counted), 1 the target is unreachable
 or no request completed, 2 bad input (including ``--overload`` with a plan that predicts no goodput).
@@ -115,13 +116,11 @@ def _endpoints(args: argparse.Namespace):
     return KVEndpoints(ep.urls, f"plan {args.plan or 'installed'}")
 
 
-async def _sweep(args: argparse.Namespace, prof, rates: list[float], multiples: list | None = None,
-                 pred: dict | None = None) -> tuple[list, dict]:
-    from .kvrate import KVRateProbe
-    from .loadgen import Progress, prompt_token_counts, run_rate
-    from .stats import summarize
-    from .workload import PromptFactory, calibrated, calibration_texts, find_tokenizer
-
+async def _model_and_tokenizer(args: argparse.Namespace):
+    """(model to send, how prompt lengths are counted): ``--model`` or the served one; ``--tokenizer``, the model's
+    local directory, or the twin rule fitted to the server's own counts (unless ``--no-calibrate``)."""
+    from .loadgen import prompt_token_counts
+    from .workload import calibrated, calibration_texts, find_tokenizer
     key = args.api_key
     served, root = await _models(args.url, api_key=key) if not args.model else (args.model, "")
     model = args.model or served
@@ -133,6 +132,18 @@ async def _sweep(args: argparse.Namespace, prof, rates: list[float], multiples: 
         if None in counts and not args.quiet:
             print("pdctl bench: note: the server reported no usage.prompt_tokens for the calibration probes; "
                   "prompt lengths follow the twin rule (pass --tokenizer DIR for exact lengths)", file=sys.stderr)
+    return model, tok
+
+
+async def _sweep(args: argparse.Namespace, prof, rates: list[float], multiples: list | None = None,
+                 pred: dict | None = None) -> tuple[list, dict]:
+    from .kvrate import KVRateProbe
+    from .loadgen import Progress, run_rate
+    from .stats import summarize
+    from .workload import PromptFactory
+
+    key = args.api_key
+    model, tok = await _model_and_tokenizer(args)
     factory = PromptFactory(prof, tok, args.seed)
     probe = KVRateProbe(_endpoints(args))
     quiet = args.quiet
@@ -237,6 +248,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if not (v > 0 and math.isfinite(v)):
                 raise BenchError(f"--{name.replace('_', '-')} must be > 0 {unit}, got {v:g}")
         args.api_key = api_key(args)
+        from .session_cli import check_single_turn, cmd_sessions, is_session
+        if is_session(args):
+            return cmd_sessions(args)        # multi-turn conversations (closed loop): session_cli.py
+        check_single_turn(args)
         rates, multiples, pred = sweep_rates(args)
         prof = load_profile(args.profile, args.input_len, args.prefix_len, args.output_len)
         summaries, meta = asyncio.run(_sweep(args, prof, rates, multiples, pred))
@@ -279,10 +294,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure a running stack (Poisson rate sweep, vllm bench serve JSON)",
                        description="Open-loop Poisson load over streaming /v1/completions, one run per rate; "
+                                   "multi-turn conversations with --profile chat-sessions; "
                                    "or `pdctl bench compare A.json B.json`.")
     p.add_argument("--url", default=DEFAULT_URL, help="OpenAI endpoint of the stack (default %(default)s)")
     p.add_argument("--profile", default="seed-p50",
-                   help="seed-p50 (6000+1869 in, 252 out) | seed-p95 (12000+3840 in, 561 out) | FILE.json/.toml")
+                   help="seed-p50 (6000+1869 in, 252 out) | seed-p95 (12000+3840 in, 561 out) | FILE.json/.toml | "
+                        "chat-sessions (multi-turn conversations over /v1/chat/completions, closed loop: --users, "
+                        "--turns, --think-s)")
+    from .session_cli import add_flags as add_session_flags
+    add_session_flags(p)
     p.add_argument("--input-len", dest="input_len", type=int, help="tokens per prompt (prefix included)")
     p.add_argument("--prefix-len", dest="prefix_len", type=int, help="shared-prefix tokens")
     p.add_argument("--output-len", dest="output_len", type=int, help="output tokens (ignore_eos)")
