@@ -86,11 +86,11 @@ def _meta(prof: SessionProfile) -> dict:
 
 
 async def _run(args: argparse.Namespace, prof: SessionProfile) -> tuple[dict, dict]:
-    from .cli import _model_and_tokenizer
+    from .target import model_and_tokenizer
     from .session_report import summarize_sessions
     from .sessions import Conversations, SessionProgress, run_sessions
     users = args.users or DEFAULT_USERS
-    model, tok = await _model_and_tokenizer(args)
+    model, tok = await model_and_tokenizer(args)
     quiet = args.quiet
     if not quiet:
         print(f"pdctl bench: {args.url} model {model}; {prof.name}: {users} users, conversations of "
