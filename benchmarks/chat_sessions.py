@@ -320,8 +320,8 @@ def main() -> int:
     stack = start_twin_stack(a.gpus, a.model, Path(tempfile.mkdtemp(prefix="chat-sessions-stack-")))
     try:
         plan = stack.plan
-        log(f"stack up in {time.monotonic() - t0:.1f} s at {stack.proxy_url} ({a.gpus}, {plan.predicted.get('family')}, "
-            f"policy {plan.proxy.policy})")
+        log(f"stack up in {time.monotonic() - t0:.1f} s at {stack.proxy_url} ({a.gpus}, "
+            f"{plan.predicted.get('family')}, policy {plan.proxy.policy})")
         (a.out / "pdctl-bench").mkdir(exist_ok=True)
         pb = pdctl_bench(stack, a, a.out / "pdctl-bench", commands)
         rows.append(pb)

@@ -275,7 +275,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=float, default=_d("workload", "tpot_slo_ms"),
                    help="TPOT SLO of a good request, ms (default: [workload] tpot_slo_ms, %(default)s)")
     p.add_argument("--num-prompts", dest="num_prompts", type=int, default=600, help="per rate (seed: 600)")
-    p.add_argument("--warmup", type=int, default=100, help="warm-up prompts before the sweep (seed: 100)")
+    p.add_argument("--warmup", type=int, default=100,
+                   help="warm-up prompts before the sweep (seed: 100); chat-sessions: first turns, --users at a time")
     p.add_argument("--warmup-rate", dest="warmup_rate", type=float, default=5.0, help="seed: 5 req/s")
     p.add_argument("--warmup-pause", dest="warmup_pause", type=float, default=0.0,
                    help="seconds after the warm-up (seed: 30)")
