@@ -41,8 +41,10 @@ Why the numbers differ between tools (what each one's concurrency and rate mean)
   (fixed, no spread), a fixed number of turns; its req/s and goodput are means of per-second rates over its window,
   so a short run with a ramp reads lower than count / duration.
 - The first turns of each tool pay for its own system prompt (different text per tool); each tool gets a warm-up
-  of one first turn per user where it has one (pdctl bench ``--warmup``, aiperf ``--warmup-request-count``;
-  guidellm's warm-up counts toward its request bound, so it gets none: its TTFT p95 includes cold prefills).
+  of one turn per user (pdctl bench ``--warmup``: first turns; aiperf ``--warmup-request-count``; guidellm's
+  profile ``warmup``: its first requests, within its request bound, so the bound is raised by as many). guidellm's
+  warm-up requests are turns of conversations that go on into the measured window; its statistics leave them out
+  (its own rule), the per-turn TTFT column here is over all its requests, warm-up included.
 
 Results go to ``--out`` (default benchmarks/results/chat_sessions/): each tool's own summary export (aiperf's
 profile_export_aiperf.json and console table, guidellm's metrics without the per-request prompts and its console
@@ -226,8 +228,8 @@ def guidellm(stack, a, tok: Path, out: Path, commands: list) -> dict:
             f"turns={round(a.turns_mean)},delay={a.think_s:g}")
     metrics = {"kind": "generative", "slo": {"ttft_ms": SLO_TTFT_S * 1000, "tpot_ms": SLO_TPOT_MS}}
     cmd = [VENVS / "guidellm" / "bin" / "guidellm", "run", "--backend", backend,
-           "--profile", f"kind=concurrent,streams={a.users}", "--constraint",
-           f"kind=max_requests,count={a.turns_total}", "--tokenizer", f"kind=huggingface_auto,model={tok}",
+           "--profile", f"kind=concurrent,streams={a.users},warmup={a.users}", "--constraint",
+           f"kind=max_requests,count={a.turns_total + a.users}", "--tokenizer", f"kind=huggingface_auto,model={tok}",
            "--data", data, "--metrics", json.dumps(metrics), "--seed", f"kind=static,value={a.seed}",
            "--output", f"kind=json,path={work / 'guidellm.json'}", "--disable-console-interactive"]
     try:
@@ -245,11 +247,14 @@ def guidellm(stack, a, tok: Path, out: Path, commands: list) -> dict:
         for part in (v.values() if isinstance(v, dict) else ()):
             if isinstance(part, dict):
                 part.pop("pdf", None)
+    # every request it kept, its warm-up's included (its statistics leave the warm-up out by its own rule)
     slim = [{k: x.get(k) for k in ("prompt_tokens", "output_tokens", "time_to_first_token_ms",
                                    "time_per_output_token_ms", "request_latency", "request_start_time")}
             for x in reqs.get("successful") or []]
     (out / "guidellm-summary.json").write_text(json.dumps({"version": tool_version("guidellm"), "metrics": small,
-                                                           "duration": b.get("duration"), "requests": slim,
+                                                           "duration": b.get("duration"),
+                                                           "warmup_duration": b.get("warmup_duration"),
+                                                           "requests_with_warmup": slim,
                                                            "errored": [str(x.get("info"))[:300] for x in
                                                                        reqs.get("errored") or []]}, indent=1) + "\n")
     # turn index from the prompt length: every conversation has the same lengths turn by turn (fixed sizes)
@@ -259,7 +264,8 @@ def guidellm(stack, a, tok: Path, out: Path, commands: list) -> dict:
         if x["prompt_tokens"] and x["time_to_first_token_ms"] is not None:
             by_turn.setdefault(lengths.index(x["prompt_tokens"]) + 1, []).append(x["time_to_first_token_ms"])
     ttft = m["time_to_first_token_ms"]["successful"]
-    ok, err = len(reqs.get("successful") or []), len(reqs.get("errored") or []) + len(reqs.get("incomplete") or [])
+    totals = m["request_totals"]          # its own counts, the warm-up left out
+    ok, err = totals["successful"], totals["errored"] + totals["incomplete"]
     return {"tool": f"guidellm {tool_version('guidellm')}", "ok": ok, "failed": err,
             "ttft_p50": ttft["median"], "ttft_p95": ttft["percentiles"]["p95"],
             "tpot_p50": m["time_per_output_token_ms"]["successful"]["median"],
