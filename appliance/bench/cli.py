@@ -1,4 +1,5 @@
-"""``pdctl bench``: a rate sweep against a running stack; ``pdctl bench compare A.json B.json``.
+"""``pdctl bench``: a rate sweep against a running stack (or multi-turn conversations: ``--profile chat-sessions``,
+session_cli.py); ``pdctl bench compare A.json B.json``.
 
 Exit codes: 0 ok (some requests may have failed or been refused: they are counted), 1 the target is unreachable
 or no request completed, 2 bad input (including ``--overload`` with a plan that predicts no goodput).
@@ -16,10 +17,10 @@ from urllib.parse import urlsplit
 
 from appliance import constants as C
 from appliance.settings.schema import default as _d
-from appliance.wire.fetch import fetch
 
 from ..twin.whatif import add_what_if_flags, parse_rates, run_what_if
 from . import BenchError
+from .target import model_and_tokenizer
 
 DEFAULT_URL = C.loopback_url(C.PROXY_PORT)
 
@@ -73,30 +74,6 @@ def sweep_rates(args: argparse.Namespace) -> tuple[list[float], list, dict]:
                                                "rate_multiples": xs}
 
 
-async def _models(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> tuple[str, str]:
-    """(served model id, model root) from ``/v1/models``; BenchError when the target cannot be reached."""
-    from .loadgen import auth_headers
-    r = await fetch(url.rstrip("/") + "/v1/models", headers=auth_headers(api_key), timeout_s=timeout_s)
-    if r.error:
-        raise BenchError(f"cannot reach {url} ({r.error}); start the stack (systemctl start pd.target) or pass "
-                         "--url", code=1)
-    if r.status == 401:
-        raise BenchError(f"{url}/v1/models answered HTTP 401: the box has API keys on; pass --api-key-file FILE "
-                         "(a file holding one key: `pdctl keys add bench`) or set OPENAI_API_KEY", code=1)
-    if r.status != 200:
-        raise BenchError(f"{url}/v1/models answered HTTP {r.status}; is the stack ready? (pdctl status), or pass "
-                         "--model", code=1)
-    try:
-        d = r.json()
-    except ValueError:
-        raise BenchError(f"{url}/v1/models answered no JSON; pass --model NAME", code=1) from None
-    try:
-        m = d["data"][0]
-        return str(m["id"]), str(m.get("root") or "")
-    except (KeyError, IndexError, TypeError):
-        raise BenchError(f"{url}/v1/models lists no model; pass --model NAME", code=1) from None
-
-
 def _endpoints(args: argparse.Namespace):
     from .kvrate import KVEndpoints, endpoints_from_plan, resolve_endpoints
     if args.kv_metrics:
@@ -118,21 +95,12 @@ def _endpoints(args: argparse.Namespace):
 async def _sweep(args: argparse.Namespace, prof, rates: list[float], multiples: list | None = None,
                  pred: dict | None = None) -> tuple[list, dict]:
     from .kvrate import KVRateProbe
-    from .loadgen import Progress, prompt_token_counts, run_rate
+    from .loadgen import Progress, run_rate
     from .stats import summarize
-    from .workload import PromptFactory, calibrated, calibration_texts, find_tokenizer
+    from .workload import PromptFactory
 
     key = args.api_key
-    served, root = await _models(args.url, api_key=key) if not args.model else (args.model, "")
-    model = args.model or served
-    tok = find_tokenizer(args.tokenizer or (model if Path(model).is_dir() else root or None))
-    if not tok.exact and not args.no_calibrate:
-        counts = await prompt_token_counts(args.url, model, calibration_texts(args.seed), args.request_timeout,
-                                           api_key=key)
-        tok = calibrated(counts)
-        if None in counts and not args.quiet:
-            print("pdctl bench: note: the server reported no usage.prompt_tokens for the calibration probes; "
-                  "prompt lengths follow the twin rule (pass --tokenizer DIR for exact lengths)", file=sys.stderr)
+    model, tok = await model_and_tokenizer(args)
     factory = PromptFactory(prof, tok, args.seed)
     probe = KVRateProbe(_endpoints(args))
     quiet = args.quiet
@@ -237,6 +205,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if not (v > 0 and math.isfinite(v)):
                 raise BenchError(f"--{name.replace('_', '-')} must be > 0 {unit}, got {v:g}")
         args.api_key = api_key(args)
+        from .session_cli import check_single_turn, cmd_sessions, is_session
+        if is_session(args):
+            return cmd_sessions(args)        # multi-turn conversations (closed loop): session_cli.py
+        check_single_turn(args)
         rates, multiples, pred = sweep_rates(args)
         prof = load_profile(args.profile, args.input_len, args.prefix_len, args.output_len)
         summaries, meta = asyncio.run(_sweep(args, prof, rates, multiples, pred))
@@ -279,10 +251,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure a running stack (Poisson rate sweep, vllm bench serve JSON)",
                        description="Open-loop Poisson load over streaming /v1/completions, one run per rate; "
+                                   "multi-turn conversations with --profile chat-sessions; "
                                    "or `pdctl bench compare A.json B.json`.")
     p.add_argument("--url", default=DEFAULT_URL, help="OpenAI endpoint of the stack (default %(default)s)")
     p.add_argument("--profile", default="seed-p50",
-                   help="seed-p50 (6000+1869 in, 252 out) | seed-p95 (12000+3840 in, 561 out) | FILE.json/.toml")
+                   help="seed-p50 (6000+1869 in, 252 out) | seed-p95 (12000+3840 in, 561 out) | FILE.json/.toml | "
+                        "chat-sessions (multi-turn conversations over /v1/chat/completions, closed loop: --users, "
+                        "--turns, --think-s)")
+    from .session_cli import add_flags as add_session_flags
+    add_session_flags(p)
     p.add_argument("--input-len", dest="input_len", type=int, help="tokens per prompt (prefix included)")
     p.add_argument("--prefix-len", dest="prefix_len", type=int, help="shared-prefix tokens")
     p.add_argument("--output-len", dest="output_len", type=int, help="output tokens (ignore_eos)")
@@ -298,7 +275,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=float, default=_d("workload", "tpot_slo_ms"),
                    help="TPOT SLO of a good request, ms (default: [workload] tpot_slo_ms, %(default)s)")
     p.add_argument("--num-prompts", dest="num_prompts", type=int, default=600, help="per rate (seed: 600)")
-    p.add_argument("--warmup", type=int, default=100, help="warm-up prompts before the sweep (seed: 100)")
+    p.add_argument("--warmup", type=int, default=100,
+                   help="warm-up prompts before the sweep (seed: 100); chat-sessions: first turns, --users at a time")
     p.add_argument("--warmup-rate", dest="warmup_rate", type=float, default=5.0, help="seed: 5 req/s")
     p.add_argument("--warmup-pause", dest="warmup_pause", type=float, default=0.0,
                    help="seconds after the warm-up (seed: 30)")

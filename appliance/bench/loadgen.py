@@ -103,6 +103,7 @@ class RequestResult:
     status: int = 0               # the answer's HTTP status
     limited: str = ""             # over the API key's own limit (429 rate_limit_<limit>): which limit
     limit_headers: dict = field(default_factory=dict)   # a refusal's Retry-After and x-ratelimit-* headers
+    text: Optional[list] = None   # a list to collect the streamed text in (multi-turn: the next turn's history)
 
 
 @dataclass
@@ -264,6 +265,8 @@ async def _one(pool: Pool, path: str, body: dict, res: RequestResult, t0: float,
                         text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
                     if text:
                         chunks += 1
+                        if res.text is not None:
+                            res.text.append(text)
                         if last is None:
                             res.ttft = now - start
                         else:

@@ -12,6 +12,9 @@ with a different ratio, so a reader that used totals instead of deltas gets the 
 OpenAI's error shape with ``--refuse-code``, ``Retry-After`` from the comma-separated ``--retry-after`` values in
 turn; an empty value sends none).
 ``/health`` answers 200 so the pdctl proxy can stand in front of it.
+``/v1/chat/completions`` streams answers whose words name the request (``a<n>w<i>``) and logs the messages it got
+(multi-turn: a client's history is checkable); a prompt + ``max_tokens`` above ``--max-model-len`` gets vLLM's
+context-length 400.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ def build(args: argparse.Namespace) -> web.Application:
 
     async def models(_):
         return web.json_response({"object": "list", "data": [{"id": args.model, "object": "model",
-                                                              "root": args.root, "max_model_len": 65536}]})
+                                                              "root": args.root,
+                                                              "max_model_len": args.max_model_len}]})
 
     async def metrics(_):
         lines = []
@@ -106,7 +110,52 @@ def build(args: argparse.Namespace) -> web.Application:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    def chat_chunk(text: str, finish=None) -> bytes:
+        d = {"id": "chatcmpl-standin", "object": "chat.completion.chunk", "created": 0, "model": args.model,
+             "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}]}
+        return b"data: " + json.dumps(d).encode() + b"\n\n"
+
+    async def chat(request: web.Request):
+        """Chat completions: the prompt is ``role: content`` lines (the twin's template); every answer's words are
+        distinct (``a<request>w<i>``), so a client's next turn shows whether it carried this very answer."""
+        body = await request.json()
+        state["n"] += 1
+        n = state["n"]
+        msgs = body.get("messages") or []
+        ptoks = len(tokenize("\n".join(f"{m.get('role')}: {m.get('content')}" for m in msgs)))
+        out = int(body.get("max_tokens") or 16)
+        state["log"].append({"t": time.monotonic(), "prompt_tokens": ptoks, "max_tokens": out, "chat": True,
+                             "messages": msgs, "ignore_eos": body.get("ignore_eos")})
+        if ptoks + out > args.max_model_len:
+            msg = (f"This model's maximum context length is {args.max_model_len} tokens. However, you requested "
+                   f"{ptoks + out} tokens ({ptoks} in the messages, {out} in the completion). Please reduce the "
+                   "length of the messages or completion.")
+            return web.json_response({"error": {"message": msg, "type": "BadRequestError", "param": None,
+                                                "code": 400}}, status=400)
+        if args.fail_every and n % args.fail_every == 0:
+            return web.json_response({"error": {"message": "injected failure", "code": 500}}, status=500)
+        answer = [f" a{n}w{i}" for i in range(out)]
+        state["log"][-1]["answer"] = "".join(answer)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        d = {"id": "chatcmpl-standin", "object": "chat.completion.chunk", "created": 0, "model": args.model,
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")
+        await asyncio.sleep(args.ttft)
+        for i, word in enumerate(answer):
+            if i:
+                await asyncio.sleep(args.itl)
+            await resp.write(chat_chunk(word, "length" if i == out - 1 else None))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            u = {"id": "chatcmpl-standin", "object": "chat.completion.chunk", "created": 0, "model": args.model,
+                 "choices": [], "usage": {"prompt_tokens": ptoks, "total_tokens": ptoks + out,
+                                          "completion_tokens": out}}
+            await resp.write(b"data: " + json.dumps(u).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
     app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/_log", log)
@@ -134,6 +183,8 @@ async def main() -> None:
     ap.add_argument("--retry-after", default="2")
     ap.add_argument("--token-scale", type=float, default=1.0, help="prompt tokens per twin token (a tokenizer "
                                                                    "unlike the twin rule)")
+    ap.add_argument("--max-model-len", type=int, default=65536, help="chat: prompt + max_tokens above this is "
+                                                                         "refused with vLLM's context-length 400")
     ap.add_argument("--bos", type=int, default=0, help="special tokens added to every prompt count")
     ap.add_argument("--hit-fraction", type=float, default=0.75)
     ap.add_argument("--dec-hit-fraction", type=float, default=0.95)
