@@ -68,7 +68,7 @@ def run(hardware, model, v, wl, work, rate: float, window_s: float, seed: int) -
     _, p, d, b, pol, mode = v
     adm = Policy(mode=mode, ttft_slo_s=work.ttft_slo_s, tpot_slo_s=work.tpot_slo_ms / 1000.0)
     return simulate(hardware, model, p, d, wl, [rate], num_prompts=max(1, round(window_s * rate)), policy=pol,
-                    seed=seed, both=b, admission=adm, params=rank_params())[0]   # the planner's (issue 30)
+                    seed=seed, both=b, admission=adm, params=rank_params(hardware))[0]   # the planner's
 
 
 def in_slo_share(x: dict) -> float:

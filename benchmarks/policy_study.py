@@ -15,9 +15,10 @@ Variants: round-robin 1P2D (the seed); static families under the first round's `
 (the twin ranks all-both, hybrids and P/D splits) under the ``adaptive`` policy.
 
 Goodput = the highest asked rate at which TTFT p95 and TPOT p95 hold their SLOs with no failures, found on
-a rate ladder and refined by bisection. Each rate simulates max(600 prompts, 40 s of arrivals)
-(``families.plan_prompts``, the rule the planner's ranking and ``pdctl plan --what-if`` use too): a shorter
-run past capacity ends before its queue has grown and reads as holding (see benchmarks/README.md).
+a rate ladder and refined by bisection. Each rate simulates max(600 prompts, 40 s of arrivals), and a rate that
+held there again on 10 x its answers' mean lifetime (``families.plan_run``, the rule the planner's ranking and
+``pdctl plan --what-if`` use too): a shorter run near or past capacity ends before its queue has grown and reads
+as holding (see benchmarks/README.md). Every variant runs pdctl's setup on the GPU's own fit (``rank_params``).
 Ceiling = delivered req/s (completed / time to the last completion) at 60 req/s asked, 600 prompts.
 
 Usage: ``python benchmarks/policy_study.py [--workload A|B|both] [--hardware h200 --gpus 2] [--quick]``.
@@ -34,11 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.inventory import detect  # noqa: E402
 from appliance.model.profiles import resolve as resolve_model  # noqa: E402
-from appliance.plan.families import (PLAN_PROMPTS, PLAN_WINDOW_S, plan_prompts, plan_workload,  # noqa: E402
-                                     rank_params)
-# Every variant runs the cost parameters the planner ranks with (families.RANK_SETUP: still the seed setup's A100
-# fit, issue 30), so the study compares policies and families on the same engines the plan was chosen on.
-PARAMS = rank_params()
+from appliance.plan.families import (PLAN_LIFETIMES, PLAN_PROMPTS, PLAN_WINDOW_S, plan_prompts,  # noqa: E402
+                                     plan_run, plan_workload, rank_params)
 from appliance.plan.planner import Overrides, Workload as PlanWorkload, make_plan  # noqa: E402
 from appliance.twin.simulator import simulate  # noqa: E402
 
@@ -63,11 +61,21 @@ def variants(hardware: str, gpus: int, model: str, work: PlanWorkload) -> list:
     return out
 
 
-def run_rate(hardware, model, v, wl, rate, seed):
+def params(hardware: str):
+    """Every variant runs the cost parameters the planner ranks with (``families.rank_params``: pdctl's setup on
+    the GPU's own fit), so the study compares policies and families on the engines the plan was chosen on."""
+    return rank_params(hardware)
+
+
+def run_rate(hardware, model, v, wl, rate, seed, n=None):
     _, p, d, b, pol = v
-    n = plan_prompts(rate)
-    return simulate(hardware, model, p, d, wl, [rate], num_prompts=n, policy=pol, seed=seed, both=b,
-                    params=PARAMS)[0]
+    return simulate(hardware, model, p, d, wl, [rate], num_prompts=n or plan_prompts(rate), policy=pol, seed=seed,
+                    both=b, params=params(hardware))[0]
+
+
+def held_run(hardware, model, v, wl, rate, seed, work) -> dict:
+    """One rate of the goodput search, on the planner's windows (``families.plan_run``)."""
+    return plan_run(lambda n: run_rate(hardware, model, v, wl, rate, seed, n), rate, lambda x: holds(x, work))
 
 
 def holds(x: dict, work: PlanWorkload) -> bool:
@@ -79,7 +87,7 @@ def goodput(hardware, model, v, wl, work, seed, refine=4) -> tuple:
     """(goodput req/s, rows simulated on the ladder)."""
     rows, last_ok, nxt = [], 0.0, None
     for r in LADDER:
-        x = run_rate(hardware, model, v, wl, float(r), seed)
+        x = held_run(hardware, model, v, wl, float(r), seed, work)
         rows.append((r, x))
         if not holds(x, work):
             nxt = float(r)
@@ -89,7 +97,7 @@ def goodput(hardware, model, v, wl, work, seed, refine=4) -> tuple:
         lo, hi = last_ok, nxt
         for _ in range(refine):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if holds(run_rate(hardware, model, v, wl, mid, seed), work) else (lo, mid)
+            lo, hi = (mid, hi) if holds(held_run(hardware, model, v, wl, mid, seed, work), work) else (lo, mid)
         last_ok = lo
     return last_ok, rows
 
@@ -103,7 +111,7 @@ def study(hardware: str, gpus: int, model: str, name: str, seed: int, show_rates
         g, _ = goodput(hardware, model, v, wl, work, seed)
         pts = {r: run_rate(hardware, model, v, wl, float(r), seed) for r in show_rates}
         ceil = simulate(hardware, model, v[1], v[2], wl, [60.0], num_prompts=600, policy=v[4], seed=seed,
-                        both=v[3], params=PARAMS)[0]["request_throughput"]
+                        both=v[3], params=params(hardware))[0]["request_throughput"]
         res[v[0]] = {"goodput": g, "points": pts, "ceiling": ceil, "variant": v}
     return work, res
 
@@ -111,7 +119,7 @@ def study(hardware: str, gpus: int, model: str, name: str, seed: int, show_rates
 def single_engine_ttft_p50(hardware: str, model: str, wl, seed: int) -> float:
     """TTFT p50 at 1 req/s of one aggregated engine (kv_both, the request served whole)."""
     return simulate(hardware, model, 0, 0, wl, [1.0], num_prompts=600, policy="adaptive", seed=seed,
-                    both=1, params=PARAMS)[0]["p50_ttft_ms"]
+                    both=1, params=params(hardware))[0]["p50_ttft_ms"]
 
 
 def report(name: str, work: PlanWorkload, res: dict, show_rates: tuple, base_ttft1: float) -> str:
@@ -178,7 +186,8 @@ def main(argv=None) -> int:
         work, res = study(a.hardware, a.gpus, a.model, name, a.seed, show)
         base = single_engine_ttft_p50(a.hardware, a.model, plan_workload(work), a.seed)
         print(f"policy study: {a.gpus} x {a.hardware}, {a.model}, workload {name}, twin simulator, "
-              f"max({PLAN_PROMPTS} prompts, {PLAN_WINDOW_S:g} s) per rate ({time.monotonic() - t0:.1f} s)")
+              f"max({PLAN_PROMPTS} prompts, {PLAN_WINDOW_S:g} s) per rate, {PLAN_LIFETIMES:g} answer lifetimes once "
+              f"held ({time.monotonic() - t0:.1f} s)")
         print(report(name, work, res, show, base))
         print()
     return 0

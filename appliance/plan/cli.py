@@ -79,7 +79,7 @@ def _what_if_split(args: argparse.Namespace, s) -> tuple[str, dict]:
     from ..twin.profiles import load_profile
     from ..twin.simulator import Workload as SimWorkload
     from ..twin.whatif import parse_rates, render, what_if
-    from .families import (PLAN_REFINE, PLAN_WINDOW_S, RANK_SETUP, plan_workload, predicted_of, rank_params,
+    from .families import (PLAN_LIFETIMES, PLAN_REFINE, PLAN_WINDOW_S, RANK_SETUP, plan_workload, predicted_of,
                            workload_shape)
     from .from_settings import WHAT_IF_SOURCE, planner_inputs
     if s.get("plan", "prefill") or s.get("plan", "decode") or s.get("plan", "both"):
@@ -99,7 +99,7 @@ def _what_if_split(args: argparse.Namespace, s) -> tuple[str, dict]:
                 num_prompts=args.what_if_num_prompts, objective=args.what_if_objective, family="all",
                 slo_tpot_p95_ms=work.tpot_slo_ms, thresholds=ov.thresholds, min_window_s=PLAN_WINDOW_S,
                 refine=PLAN_REFINE, admission=admission_policy(s), peak_rate=work.peak_rate, setup=RANK_SETUP,
-                params=rank_params())
+                min_lifetimes=PLAN_LIFETIMES)
     print(render(w), file=sys.stderr if args.json else sys.stdout)
     rec = w.recommended
     if rec is None:

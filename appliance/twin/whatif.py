@@ -161,12 +161,24 @@ def prompts_for(rate: float, num_prompts: int, min_window_s: float) -> int:
     return max(num_prompts, math.ceil(rate * min_window_s)) if math.isfinite(rate) else num_prompts
 
 
+def lifetime_run(run, rate: float, holds, num_prompts: int, min_window_s: float, lifetimes: float) -> tuple:
+    """One rate on ``prompts_for``'s window, and a run that ``holds`` again on ``lifetimes`` x its mean answer
+    lifetime (mean E2E) of arrivals when longer (a stack that starts empty has a free slot for every request for
+    about one lifetime: near capacity a short run ends before its queue grows). ``run(n)``: n prompts at ``rate``.
+    (summary, whether it spans ``lifetimes`` lifetimes, its ``sustained_throughput`` then a steady state)."""
+    s = run(n := prompts_for(rate, num_prompts, min_window_s))
+    if not lifetimes > 0 or not holds(s):
+        return s, False
+    need = math.ceil(rate * lifetimes * s["mean_e2el_ms"] / 1000)
+    return (s, True) if need <= n else (run(need), True)
+
+
 def what_if(inventory, model: str, workload=Workload(), rates: Sequence[float] = (1, 2, 5, 10, 20),
             *, slo_ttft_p95_s: float = 3.5, policy: str = "round-robin", tp: int = 1, num_prompts: int = 600,
             seed: int = 2003, kv_size_gb: float = 80.0, objective: str = "max-rate-under-slo",
             refine: int = 4, family: str = "pd", slo_tpot_p95_ms: Optional[float] = None,
             thresholds=None, min_window_s: float = 0.0, admission=None, peak_rate: float = 0.0,
-            setup: str = PDCTL_SETUP, params: Optional[CostParams] = None) -> WhatIf:
+            setup: str = PDCTL_SETUP, params: Optional[CostParams] = None, min_lifetimes: float = 0.0) -> WhatIf:
     """Simulate each feasible split of ``inventory``'s GPUs; rows best first, the recommended one marked.
 
     ``family="pd"``: every P/D split (also on fewer engines), the first round's what-if. ``family="all"``:
@@ -184,12 +196,13 @@ def what_if(inventory, model: str, workload=Workload(), rates: Sequence[float] =
 
     ``setup``: the twin's cost parameters (``params.SETUPS``), by default pdctl's own on the GPU's fit (what the
     plan runs); ``"seed"`` replays the seed's stack. ``params``: these cost parameters instead (``setup`` then
-    only names them)."""
+    only names them). ``min_lifetimes`` > 0: the planner's rule (``families.PLAN_LIFETIMES``, ``lifetime_run``;
+    the ceiling also counts the steady state of those runs and of the run at 2x the knee)."""
     return _what_if(_gpu_setup(inventory, tp), model, workload, rates, slo_ttft_p95_s=slo_ttft_p95_s,
                     policy=policy, tp=tp, num_prompts=num_prompts, seed=seed, kv_size_gb=kv_size_gb,
                     objective=objective, refine=refine, family=family, slo_tpot_p95_ms=slo_tpot_p95_ms,
                     thresholds=thresholds, min_window_s=min_window_s, admission=admission, peak_rate=peak_rate,
-                    setup=setup, params=params)
+                    setup=setup, params=params, min_lifetimes=min_lifetimes)
 
 
 def _gpu_setup(inventory, tp: int) -> tuple:
@@ -206,7 +219,8 @@ def what_if_engines(gpu_name: str, n_gpus: int, model: str, workload, rates: Seq
 def _what_if(box: tuple, model: str, workload, rates: Sequence[float], *, slo_ttft_p95_s: float, policy: str,
              tp: int, num_prompts: int, seed: int, kv_size_gb: float, objective: str, refine: int, family: str,
              slo_tpot_p95_ms: Optional[float], thresholds, min_window_s: float = 0.0, admission=None,
-             peak_rate: float = 0.0, setup: str = PDCTL_SETUP, params: Optional[CostParams] = None) -> WhatIf:
+             peak_rate: float = 0.0, setup: str = PDCTL_SETUP, params: Optional[CostParams] = None,
+             min_lifetimes: float = 0.0) -> WhatIf:
     if objective not in OBJECTIVES:
         raise BenchError(f"--objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
     if tp < 1:
@@ -237,14 +251,29 @@ def _what_if(box: tuple, model: str, workload, rates: Sequence[float], *, slo_tt
     if isinstance(workload, Sessions):     # a conversation lasts its turns: fill the box, then a steady state
         min_window_s = max(min_window_s, workload.steady_window_s())
 
-    def sim(p: int, d: int, b: int, rs: Sequence[float]) -> list:
-        # at least ``min_window_s`` of arrivals per rate: a short run past capacity ends before its queue grows
-        n = prompts_for(max(rs), num_prompts, min_window_s) if len(rs) == 1 else num_prompts
+    life: dict = {}     # rate -> mean answer lifetime (s) of its run, for the runs that held on ``cur`` of them
+    steady: list = []   # steady-state completion rates of the runs on ``cur`` lifetimes
+    cur = [0.0]         # the lifetimes rule of the family being searched (0: ``min_window_s`` alone)
+    memo: dict = {}     # (p, d, b, rate, prompts) -> summary: the second search reruns its short runs for free
+
+    def run(p: int, d: int, b: int, rs: Sequence[float], n: int) -> list:
+        k = (p, d, b, tuple(rs), n)
         try:
-            return simulate(hw, model, p, d, workload, rs, num_prompts=n, policy=policy, seed=seed,
-                            engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb, both=b, params=params, **extra)
+            if k not in memo:
+                memo[k] = simulate(hw, model, p, d, workload, rs, num_prompts=n, policy=policy, seed=seed,
+                                   engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb, both=b, params=params, **extra)
+            return memo[k]
         except SimError as exc:
             raise BenchError(f"what-if: {exc}") from None
+
+    def sim(p: int, d: int, b: int, rs: Sequence[float]) -> list:
+        if len(rs) > 1:
+            return run(p, d, b, rs, num_prompts)
+        s, long = lifetime_run(lambda n: run(p, d, b, rs, n)[0], rs[0], holds, num_prompts, min_window_s, cur[0])
+        if long:
+            life[rs[0]] = s["mean_e2el_ms"] / 1000
+            steady.append(s["sustained_throughput"])
+        return [s]
 
     def holds(s: dict) -> bool:
         ok = s["p95_ttft_ms"] / 1000 <= slo_ttft_p95_s and s["failed"] == 0
@@ -257,10 +286,11 @@ def _what_if(box: tuple, model: str, workload, rates: Sequence[float], *, slo_tt
                          ttft_p95_s=s["p95_ttft_ms"] / 1000, failed=s["failed"], under_slo=holds(s),
                          tpot_p95_ms=s["p95_tpot_ms"], aggregated=agg / max(1, sum(dec.values())))
 
-    def past(p: int, d: int, b: int, label: str, r: float) -> OverloadPoint:
-        """The family at ``r`` req/s with admission: the same window rule as every other rate."""
+    def past(p: int, d: int, b: int, label: str, r: float, knee: float) -> OverloadPoint:
+        """The family at ``r`` req/s with admission, on the window of the ceiling's run at 2x the knee."""
+        window = max(min_window_s, cur[0] / 4 * life.get(knee, 0.0))
         try:
-            s = simulate(hw, model, p, d, workload, [r], num_prompts=prompts_for(r, num_prompts, min_window_s),
+            s = simulate(hw, model, p, d, workload, [r], num_prompts=prompts_for(r, num_prompts, window),
                          policy=policy, seed=seed, engine=EngineConfig(tp=tp), kv_size_gb=kv_size_gb, both=b,
                          admission=admission, params=params, **extra)[0]
         except SimError as exc:
@@ -268,11 +298,10 @@ def _what_if(box: tuple, model: str, workload, rates: Sequence[float], *, slo_tt
         n = s["admitted"] + s["refused"]
         return OverloadPoint(label, r, s["goodput"], s["refused"] / max(1, n), s["good_share_admitted"])
 
-    shapes = [(p, d, 0) for p, d in splits(n_engines)] if family == "pd" else families(n_engines)
-    if policy == "round-robin":   # the seed's proxy always takes a P leg: no family without a prefiller
-        shapes = [sh for sh in shapes if sh[0] >= 1]
-    rows = []
-    for p, d, b in shapes:
+    def row(p: int, d: int, b: int, lifetimes: float) -> SplitResult:
+        cur[0] = lifetimes
+        life.clear()
+        steady.clear()
         if family == "pd":
             pts = tuple(point(r, s) for r, s in zip(rates, sim(p, d, b, rates)))
         else:   # binary search of the ladder for the last rate that holds: below a rate that held every rate
@@ -300,20 +329,40 @@ def _what_if(box: tuple, model: str, workload, rates: Sequence[float], *, slo_tt
             best_ok = lo
             if family != "pd" and pts[-1].asked < 2 * best_ok:
                 # the ceiling past capacity: a run just above the knee is still draining its short queue when
-                # it ends (delivered well under what the engines do), so one run reaches 2x the knee
-                ceiling = max(ceiling, sim(p, d, b, [2 * best_ok])[0]["request_throughput"])
+                # it ends (delivered well under what the engines do), so one run reaches 2x the knee, on ``cur`` / 4
+                # of the knee's lifetimes (at 2x its slots fill within half a lifetime: the second half of its
+                # arrivals is steady); its steady state counts too (completed / duration ends in the drain)
+                r2, window = 2 * best_ok, max(min_window_s, cur[0] / 4 * life.get(best_ok, 0.0))
+                s2 = run(p, d, b, [r2], prompts_for(r2, num_prompts, window))[0]
+                ceiling = max(ceiling, s2["request_throughput"], s2["sustained_throughput"] if best_ok in life else 0)
         over = ()
         if admission is not None and policy == "adaptive" and best_ok > 0:
-            over = tuple(past(p, d, b, label, r) for label, r in (("2x", 2 * best_ok), ("peak", peak_rate))
+            over = tuple(past(p, d, b, lab, r, best_ok) for lab, r in (("2x", 2 * best_ok), ("peak", peak_rate))
                          if r > 0)
-        rows.append(SplitResult(p, d, tp, pts, ceiling, best_ok,
-                                holds_all=bool(ok) and pts[ok[-1]].asked == rates[-1], both=b, overload=over))
+        return SplitResult(p, d, tp, pts, max([ceiling, *steady]), best_ok, both=b, overload=over,
+                           holds_all=bool(ok) and pts[ok[-1]].asked == rates[-1])
 
     def key(r: SplitResult):
         at = max((p for p in r.points if p.under_slo), key=lambda p: p.asked, default=None)
         return (-round(r.max_rate_under_slo, 2), -round(r.ceiling, 1), at.ttft_p95_s if at else math.inf,
                 r.prefill + r.decode + r.both, r.prefill, r.decode)
 
+    shapes = [(p, d, 0) for p, d in splits(n_engines)] if family == "pd" else families(n_engines)
+    if policy == "round-robin":   # the seed's proxy always takes a P leg: no family without a prefiller
+        shapes = [sh for sh in shapes if sh[0] >= 1]
+    rows = [row(p, d, b, 0.0) for p, d, b in shapes]
+    if min_lifetimes > 0:   # the lifetimes rule, best first, on every family that could still beat the best one it
+        #                     verified: the rule only lowers a goodput, so one already below cannot overtake it
+        done: list = []
+        for i in sorted(range(len(rows)), key=lambda i: key(rows[i])):
+            if done and rows[i].max_rate_under_slo < max(rows[j].max_rate_under_slo for j in done):
+                break
+            rows[i] = row(rows[i].prefill, rows[i].decode, rows[i].both, min_lifetimes)
+            done.append(i)
+        if len(done) < len(rows):
+            notes.append(f"{len(rows) - len(done)} famil{'y' if len(rows) - len(done) == 1 else 'ies'} below the "
+                         f"best one's goodput on {min_lifetimes:g} answer lifetimes kept {min_window_s:g} s windows "
+                         "(their goodput an upper bound)")
     rows.sort(key=key)
     if rows[0].max_rate_under_slo > 0:
         rows[0] = SplitResult(**{**rows[0].__dict__, "recommended": True})

@@ -108,10 +108,11 @@ def test_golden_shapes():
     # half the requests long and cold, a tight TPOT SLO: long prefills kept off the decoders pay
     cold = Workload(cold_share=0.5, tpot_slo_ms=60.0)
     assert shape("fake:3xA100-80GB", "deepseek-v2-lite", cold) == ("disaggregated", 1, 2, 1, 0)
-    # (re-derived after issue 30's A100 refit: the planner still ranks with the seed setup, whose LMCache 0.4.2
-    # stores now run at the fitted 1.25 GB/s, and the twin now ranks 4B above 1P3B here; ranking with pdctl's own
-    # setup, issue 30's point 3, will re-derive it again)
-    assert shape("fake:4xH200", "deepseek-v2-lite", cold) == ("soft", 1, 0, 0, 4)
+    # (re-derived for issue 30's point 3, the ranking on pdctl's setup with the H200's own fit and 20 answer
+    # lifetimes per held rate: 1P3B, 4B and 1P3D all hold 22 req/s, and 1P3B wins on its ceiling, the tie-break;
+    # its prefiller keeps the cold 15,840-token prefills off the decoding engines; on the seed setup 4B and 1P3B
+    # tied at 15 and 4B won)
+    assert shape("fake:4xH200", "deepseek-v2-lite", cold) == ("soft", 1, 1, 0, 3)
     # the fixed rule stays as the fallback (no twin ranking)
     p = make_plan(detect("fake:8xH200"), models.resolve("deepseek-v2-lite"), Workload(),
                   Overrides(choose_family=False))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from appliance.bench import BenchError
-from appliance.twin.whatif import render, splits, what_if
+from appliance.twin.whatif import lifetime_run, render, splits, what_if
 from appliance.inventory import detect
 from appliance.twin.simulator import Workload
 
@@ -38,6 +38,27 @@ def test_seed_hardware_ranks_1p2d_above_1p1d_and_2p1d(seed_box):
     # refined past the asked grid (10 held, 20 did not), never above what the split delivered
     assert 10.0 < by["1P2D"].max_rate_under_slo <= by["1P2D"].ceiling
     assert not by["1P2D"].holds_all
+
+
+def test_a_rate_that_held_must_hold_on_its_answer_lifetimes_too():
+    """The planner's window rule: a run that held is judged again on ``lifetimes`` x its mean answer lifetime of
+    arrivals (a stack near capacity holds a short run: its slots fill before any queue grows); a miss is final."""
+    asked = []
+
+    def run(n):     # 10 req/s, answers of 8 s; the queue shows only past 1,000 prompts (100 s)
+        asked.append(n)
+        return {"mean_e2el_ms": 8000.0, "ok": n <= 1000}
+    holds = lambda s: s["ok"]   # noqa: E731
+    assert lifetime_run(run, 10.0, holds, 600, 40.0, 20.0) == ({"mean_e2el_ms": 8000.0, "ok": False}, True)
+    assert asked == [600, 1600]                     # 40 s, then 20 x 8 s of arrivals
+    asked.clear()
+    assert lifetime_run(run, 10.0, holds, 600, 40.0, 0.0)[0]["ok"] and asked == [600]   # 0: the first run only
+    asked.clear()
+    assert lifetime_run(run, 10.0, holds, 600, 40.0, 5.0) == ({"mean_e2el_ms": 8000.0, "ok": True}, True)
+    assert asked == [600]                           # 5 x 8 s = 400 prompts: the first run was long enough
+    asked.clear()
+    assert lifetime_run(run, 30.0, holds, 600, 40.0, 20.0) == ({"mean_e2el_ms": 8000.0, "ok": False}, False)
+    assert asked == [1200]                          # missed on 40 s: no second run
 
 
 def test_a_box_that_holds_every_asked_rate_says_so():
