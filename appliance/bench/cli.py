@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from appliance import constants as C
 from appliance.settings.schema import default as _d
 
-from ..twin.whatif import add_what_if_flags, parse_rates, run_what_if
+from ..twin.whatif_cli import add_what_if_flags, parse_rates, run_what_if
 from . import BenchError
 from .target import model_and_tokenizer
 

@@ -78,7 +78,8 @@ def _what_if_split(args: argparse.Namespace, s) -> tuple[str, dict]:
     from ..inventory import detect
     from ..twin.profiles import load_profile
     from ..twin.simulator import Workload as SimWorkload
-    from ..twin.whatif import parse_rates, render, what_if
+    from ..twin.whatif import what_if
+    from ..twin.whatif_cli import parse_rates, render
     from .families import (PLAN_LIFETIMES, PLAN_REFINE, PLAN_WINDOW_S, RANK_SETUP, plan_workload, predicted_of,
                            workload_shape)
     from .from_settings import WHAT_IF_SOURCE, planner_inputs
@@ -142,7 +143,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="rank every plan family (all-both, hybrids, P/D splits) on the twin, show predicted goodput, "
                         "TTFT and TPOT per rate, "
                         "and plan with the recommended one")
-    from ..twin.whatif import add_what_if_flags
+    from ..twin.whatif_cli import add_what_if_flags
     add_what_if_flags(p, prefix="what_if_")
     from .families import PLAN_PROMPTS, PLAN_RATES
     p.set_defaults(what_if_slo=None, what_if_rates=",".join(map(str, PLAN_RATES)), what_if_profile="config",

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from appliance.bench import BenchError
-from appliance.twin.whatif import lifetime_run, render, splits, what_if
+from appliance.twin.whatif import lifetime_run, splits, what_if
+from appliance.twin.whatif_cli import render
 from appliance.inventory import detect
 from appliance.twin.simulator import Workload
 
