@@ -76,12 +76,17 @@ def table(summaries: Iterable[dict]) -> str:
     return "\n".join(rows)
 
 
-def write_results(out: Path, summaries: list, meta: dict) -> list:
-    """``rate-<r>.json`` per rate and ``summary.json``; returns the paths written."""
+def make_out(out: Path) -> None:
+    """Create the ``--out`` directory, or say why not (BenchError naming it)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise BenchError(f"--out {out}: cannot create ({exc.strerror}); pick a writable directory") from None
+
+
+def write_results(out: Path, summaries: list, meta: dict) -> list:
+    """``rate-<r>.json`` per rate and ``summary.json``; returns the paths written."""
+    make_out(out)
     paths = []
     for s in summaries:
         p = out / f"rate-{_rate_name(s['request_rate'])}.json"

@@ -16,8 +16,8 @@ import statistics
 from pathlib import Path
 
 from ..percentiles import percentile
-from . import BenchError
 from .loadgen import RunResult
+from .report import make_out
 from .sessions import SessionRun
 from .stats import SLO_TPOT_MS, SLO_TTFT_S, brief, is_good, summarize
 
@@ -115,10 +115,7 @@ def table(s: dict) -> str:
 
 def write_sessions(out: Path, s: dict, meta: dict) -> list:
     """``sessions.json`` (the summary, per-turn rows and per-request records) in ``out``."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise BenchError(f"--out {out}: cannot create ({exc.strerror}); pick a writable directory") from None
+    make_out(out)
     p = out / "sessions.json"
     p.write_text(json.dumps({**meta, "run": s}, indent=1) + "\n")
     return [p]
