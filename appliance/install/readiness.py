@@ -22,9 +22,11 @@ def failed_for_good(st: dict, restarts0: int) -> str | None:
     """Why a unit will not come up by waiting longer, or None while it still might."""
     status = int(st.get("ExecMainStatus") or 0)
     failures = int(st.get("NRestarts") or 0) - restarts0 + (st.get("SubState") == "auto-restart")
-    if st.get("ActiveState") == "failed":
-        return f"it failed ({st.get('Result', '?')}) and systemd will not restart it"
-    if status in SPAWN_FAILURES and st.get("ExecMainCode") == "1" and failures >= 1:
+    spawn = status in SPAWN_FAILURES and st.get("ExecMainCode") == "1"
+    if st.get("ActiveState") == "failed":     # the start limit can come first on a busy box: still say why
+        cause = f"; systemd could not start its program (exit status {status}: see systemd.exec(5))" if spawn else ""
+        return f"it failed ({st.get('Result', '?')}{cause}) and systemd will not restart it"
+    if spawn and failures >= 1:
         return f"systemd could not start its program (exit status {status}: see systemd.exec(5)); restarts " \
                "cannot fix that"
     if failures >= CRASH_LOOP_FAILURES:
