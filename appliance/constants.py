@@ -122,6 +122,7 @@ PROXY_PD_SKIPPED = "pdctl_proxy_pd_skipped"             # counter {reason}
 PROXY_RETRIES = "pdctl_proxy_retries"
 PROXY_KV_WAIT = "pdctl_proxy_kv_store_wait"             # counter {outcome}
 PROXY_DECISIONS = "pdctl_proxy_decisions"               # counter {kind,reason}: aggregate | split, why (decide.py)
+PROXY_SESSIONS = "pdctl_proxy_sessions"                 # counter {outcome}: a session's turn vs its last worker
 PROXY_LEGS = "pdctl_proxy_legs"                         # counter {backend,leg}: full | prefill | decode
 PROXY_LEGS_INFLIGHT = "pdctl_proxy_legs_inflight"       # gauge {backend,leg}
 PROXY_MIGRATIONS = "pdctl_proxy_migrations"             # counter {outcome}: a stream continued on another worker

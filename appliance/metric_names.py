@@ -65,6 +65,7 @@ PROXY: dict[str, tuple[MetricName, ...]] = {
     "pd_skipped": (MetricName(C.PROXY_PD_SKIPPED, ""),),
     "retries": (MetricName(C.PROXY_RETRIES, ""),),
     "decisions": (MetricName(C.PROXY_DECISIONS, ""),),
+    "sessions": (MetricName(C.PROXY_SESSIONS, ""),),
     "legs": (MetricName(C.PROXY_LEGS, ""),),
     "legs_inflight": (MetricName(C.PROXY_LEGS_INFLIGHT, ""),),
     "migrations": (MetricName(PROXY_MIGRATIONS, ""),),

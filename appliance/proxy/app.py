@@ -31,6 +31,7 @@ from .errors import ProxyError
 from .legs import Legs
 from .metrics import ProxyMetrics
 from .routing import PrefixIndex, make_policy
+from .sessions import SessionIndex
 from .warm import WarmIndex
 from .scrape import Watcher
 from .stall import stall_loop
@@ -53,6 +54,7 @@ class ProxyServer:
         self.prefix = PrefixIndex(cfg.prefix_ttl_s)
         self.chars_per_token = CharsPerToken()
         self.warm = WarmIndex()               # where each worker's own prefix cache is warm (warm.py)
+        self.sessions = SessionIndex()        # the worker of each session's last turn (sessions.py)
         self.policy = make_policy(cfg, self.backends, self.prefix, lambda: self.chars_per_token.value,
                                   self.warm)
         self.legs = Legs(self)
@@ -97,6 +99,10 @@ class ProxyServer:
     def _decided(self, rt) -> None:
         self.metrics.decisions.labels(rt.kind, rt.reason).inc()
         self.counts[f"decision:{rt.kind}:{rt.reason}"] += 1
+
+    def session_turn(self, outcome: str) -> None:
+        self.metrics.sessions.labels(outcome).inc()
+        self.counts["session:" + outcome] += 1
 
     def _count(self, route: str, outcome: str) -> None:
         self.metrics.count(route, outcome)
@@ -222,10 +228,12 @@ class ProxyServer:
             "backends": [b.status() for b in self.backends],
             "requests": {k: v for k, v in c.items() if ":" in k and not k.startswith(
                 ("kv_wait:", "skip:", "kv_server:", "decision:", "migration:", "migration_refused:", "feature:",
-                 "admission:"))},
+                 "admission:", "session:"))},
             "features": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("feature:")},
             "responses": {"homes": len(self.responses), "probes": self.responses.probes},
             "decisions": self._decision_mix(),
+            "sessions": {"known": len(self.sessions),
+                         **{k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("session:")}},
             "admission": {**self.gate.status(),
                           "verdicts": {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("admission:")},
                           "good": c.get("good", 0)},

@@ -33,6 +33,10 @@ class ProxyMetrics:
                                ["outcome"], registry=r)
         self.decisions = Counter(C.PROXY_DECISIONS, "Routing decisions: aggregate (one worker) or split (P+D), "
                                  "by reason (appliance/policy/decide.py)", ["kind", "reason"], registry=r)
+        self.sessions = Counter(C.PROXY_SESSIONS, "Turns that named a session (X-Session-Id or user), by what its "
+                                "last worker meant: new, edited (the history changed: no hint), stayed, moved_load "
+                                "(that worker was the busier one), moved_down (it takes nothing now), split "
+                                "(proxy/sessions.py)", ["outcome"], registry=r)
         self.legs = Counter(C.PROXY_LEGS, "Legs served per backend: full (aggregated request), prefill, decode",
                             ["backend", "leg"], registry=r)
         self.legs_inflight = Gauge(C.PROXY_LEGS_INFLIGHT, "Legs open per backend now, by leg kind",

@@ -13,7 +13,7 @@ import time
 from ..policy.admit import Ask
 from ..policy.decide import AGGREGATE, R_ENGINE_STATE, R_NO_PREFILLER, SPLIT
 from ..wire.server import Request, Response
-from . import guard, utility_routes
+from . import guard, sessions, utility_routes
 from .answers import client_request_id, error_response
 from .dialects import DIALECTS
 from .errors import ProxyError, bad_request
@@ -92,14 +92,19 @@ async def _serve(s, request, parsed, path: str, api, t0: float, crid):
     echo = crid or rid
     chars = len(parsed.prompt_text)
     tokens = parsed.prompt_tokens_est if parsed.tokens_exact else s.chars_per_token.estimate(chars)
+    key = sessions.session_key(request.headers, parsed.body)
+    if isinstance(key, ProxyError):
+        s._count(kind, "client_error")
+        return error_response(key, echo)
+    seen, hint = s.sessions.hint(key, parsed.prompt_text)
     held = await api.held_by(s, parsed.body, rid)
-    rt = s.policy.route(parsed.prompt_text, tokens) if held is None else \
+    rt = s.policy.route(parsed.prompt_text, tokens, hint) if held is None else \
         Route(AGGREGATE, R_ENGINE_STATE, None, held.backend, tokens)
     ticket = None
     if s.gate.active and held is None:
         ask = Ask(t0, t0 + s.gate.policy.ttft_slo_s, rt.uncached, guard.queue_priority(request, parsed.priority),
                   *guard.tenant(request))
-        rt, ticket = await s.gate.enter(ask, rt, lambda: s.policy.route(parsed.prompt_text, tokens))
+        rt, ticket = await s.gate.enter(ask, rt, lambda: s.policy.route(parsed.prompt_text, tokens, hint))
         if isinstance(rt, ProxyError):            # refused before any engine saw it: ``ticket`` is its headers
             s._count(kind, "overloaded")
             request.box_refused = True
@@ -108,13 +113,14 @@ async def _serve(s, request, parsed, path: str, api, t0: float, crid):
         parsed.body = {k: v for k, v in parsed.body.items() if k != "priority"}
         request.body = json.dumps(parsed.body).encode()
     try:
-        return await _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, ticket)
+        return await _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, ticket,
+                           (key, seen, hint))
     finally:
         if ticket is not None:
             ticket.close()
 
 
-async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, ticket):
+async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, ticket, session):
     m, cfg, kind = s.metrics, s.cfg, api.kind
     skip = None if rt.kind == SPLIT else rt.reason
     kv_params = pr = None
@@ -155,6 +161,10 @@ async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, t
             if parsed.prompt_tokens_est >= cfg.pd_min_prompt_tokens:
                 s.prefix.record(parsed.prompt_text)
     s._decided(rt)
+    key, seen, hint = session
+    if key is not None:
+        s.session_turn(sessions.settle(hint, seen, getattr(rt.decode, "label", None), rt.kind == SPLIT,
+                                       {b.label for b in s.backends if b.breaker.allows(time.monotonic())}))
     if skip is not None:
         m.pd_skipped.labels(skip).inc()
         s.counts["skip:" + skip] += 1
@@ -165,7 +175,7 @@ async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, t
     unmovable = api.unmovable(parsed.body) if parsed.stream else "not_streamed"
     token_ids = cfg.token_ids and parsed.stream and unmovable is None and cfg.max_migrations > 0
     data = api.decode_data(decode_body(request.body, parsed.body, kv_params, token_ids), parsed.body, rid)
-    aff = affinity_key(request.headers.get("x-session-id"), parsed.prompt_text)
+    aff = affinity_key(key, parsed.prompt_text)
     if ticket is not None:
         ticket.release_all()                    # the D (or whole) leg counts itself from here
     d = await s.legs.decode(path, data, rid, aff, parsed.stream, rt.decode, "full" if skip else "decode",
@@ -184,9 +194,11 @@ async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, t
         s._count(kind, "unavailable" if d.status == 503 else "upstream_error")
         return error_response(d, echo)
     if isinstance(d, Passthrough):
-        if d.status == 200 and getattr(request, "caller", None) is not None:
+        if d.status == 200 and (key is not None or getattr(request, "caller", None) is not None):
             request.prompt_tokens, request.completion_tokens = answer_usage(d.body)
         if d.status == 200:
+            s.sessions.record(key, parsed.prompt_text, d.backend.label,
+                              int(request.completion_tokens * s.chars_per_token.value))
             dt = time.monotonic() - t0
             if trail is not None:
                 trail.ttft_s = round(dt, 4)
@@ -199,5 +211,9 @@ async def _legs(s, request, parsed, path, api, t0, echo, rid, chars, held, rt, t
     job = StreamJob(kind, parsed.body, rid, aff, route, t0, echo, token_ids,
                     strip=token_ids and not parsed.body.get("return_token_ids"), unmovable=unmovable,
                     dialect=api.framing())
-    await Relay(s, request, job).run(d)
+    relay = Relay(s, request, job)
+    await relay.run(d)
+    if relay.ended_on is not None:      # the worker the answer ended on holds the prompt and the answer
+        s.sessions.record(key, parsed.prompt_text, relay.ended_on.label,
+                          int(request.completion_tokens * s.chars_per_token.value))
     return None

@@ -68,6 +68,7 @@ class Relay:
         self.migrations = 0
         self.events = 0                        # SSE events relayed (~ tokens: vLLM streams one per step)
         self.usage_block: bytes | None = None  # the latest piece with a ``usage`` (include_usage: the stream's end)
+        self.ended_on = None                   # the backend whose leg finished the answer (None: it did not finish)
 
     # ----- one leg ------------------------------------------------------------------------------------
     def _open(self, leg: _Leg) -> None:
@@ -166,6 +167,7 @@ class Relay:
             while True:
                 err = await self._pump(leg)
                 if err is None:
+                    self.ended_on = leg.backend           # where the answer ended (a session's next turn: sessions.py)
                     self._close(leg, clean=True)
                     leg = None
                     break

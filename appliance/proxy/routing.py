@@ -7,8 +7,9 @@ preferred decoder is not much busier than the least busy one (bounded-load rende
 ``adaptive`` (the default): per request, aggregate on one worker or split P/D, from live load, by the
 one pure rule in ``appliance/policy/decide.py`` (the twin's simulator imports the same function).
 
-Every policy answers ``route(prompt_text, prompt_tokens) -> Route``: the decision (kind, reason) and,
-for ``adaptive``, the chosen backends; the legs fall back to ``pick_prefill`` / ``pick_decode`` when a
+Every policy answers ``route(prompt_text, prompt_tokens, hint) -> Route``: the decision (kind, reason) and,
+for ``adaptive``, the chosen backends (``hint``: the worker of a session's last turn, sessions.py; only
+``adaptive`` weighs it); the legs fall back to ``pick_prefill`` / ``pick_decode`` when a
 chosen backend fails before its first byte.
 """
 from __future__ import annotations
@@ -94,7 +95,7 @@ class RoundRobin:
     def skip_reason(self, prompt_text: str, prompt_tokens: int) -> str | None:
         return SKIP_AGGREGATED if not self.prefill else None
 
-    def route(self, prompt_text: str, prompt_tokens: int) -> Route:
+    def route(self, prompt_text: str, prompt_tokens: int, hint=None) -> Route:
         skip = self.skip_reason(prompt_text, prompt_tokens)
         return Route(D.AGGREGATE, skip, uncached=prompt_tokens) if skip else Route(D.SPLIT, D.R_STATIC,
                                                                                     uncached=prompt_tokens)
@@ -180,11 +181,13 @@ class AdaptivePolicy(PdctlPolicy):
                                     b.kv_usage if fresh else 0.0, int(warm_chars.get(b.label, 0) / cpt)))
         return out
 
-    def route(self, prompt_text: str, prompt_tokens: int) -> Route:
+    def route(self, prompt_text: str, prompt_tokens: int, hint=None) -> Route:
         cached = min(int(self.prefix.cached_chars(prompt_text) / self.chars_per_token()), prompt_tokens)
         self._turn += 1
-        d = D.decide(prompt_tokens, cached, self.loads(self.warm.warm_chars(prompt_text)), self.thresholds,
-                     self._turn)
+        warm = self.warm.warm_chars(prompt_text)
+        if hint is not None:      # the session's last worker holds its last prompt and answer (sessions.py)
+            warm[hint.worker] = max(warm.get(hint.worker, 0), hint.chars)
+        d = D.decide(prompt_tokens, cached, self.loads(warm), self.thresholds, self._turn)
         if d is None:
             return Route(D.AGGREGATE, D.R_NO_DECODER, uncached=prompt_tokens - cached)
         by = {b.label: b for b in self.workers}
@@ -227,7 +230,8 @@ def make_policy(cfg, backends: list, prefix: PrefixIndex, chars_per_token, warm=
 
 
 def affinity_key(session_id: str | None, prompt_text: str) -> str | None:
-    """Session header when given, else the first prompt chunk (same system prompt -> same decoder)."""
+    """The session (``X-Session-Id`` or ``user``: sessions.session_key) when given, else the first prompt chunk
+    (same system prompt -> same decoder)."""
     if session_id:
         return "s:" + session_id
     return "p:" + prompt_text[:CHUNK_CHARS] if prompt_text else None

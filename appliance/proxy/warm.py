@@ -17,6 +17,7 @@ from collections import OrderedDict
 from .. import constants as C
 
 CHUNK_CHARS = C.LMCACHE_CHUNK_TOKENS * 4      # ~ one LMCache chunk of text (about 4 characters per token)
+WARM_TTL_S = 120.0      # how long a served prompt counts as still in its worker's GPU prefix cache (a guess)
 
 
 def chunk_prefixes(text: str) -> list:
@@ -36,7 +37,7 @@ class WarmIndex:
     prefixes, the least recently served forgotten first. The shared system prompt is warm everywhere, so it tells
     no worker apart: what counts is the difference between workers (``decide``)."""
 
-    def __init__(self, ttl_s: float = 120.0, max_entries: int = 200_000):
+    def __init__(self, ttl_s: float = WARM_TTL_S, max_entries: int = 200_000):
         self.ttl_s, self.max_entries = ttl_s, max_entries
         self._seen: OrderedDict = OrderedDict()      # digest -> {worker label: when it served it}
 
