@@ -390,7 +390,7 @@ class _Derive:
         return ProxyStatus(url=self.eps.proxy_url, unit=C.PROXY_UNIT, health=health, ready=ready, req_per_s=req,
                            inflight=inflight, ttft_p50_s=ttft_p50, ttft_p95_s=ttft_p95, pd_skipped=skipped,
                            retries_per_s=retries, breakers=breakers, uptime_s=uptime,
-                           decisions=routing.mix(win, pm), state=state,
+                           decisions=routing.mix(win, pm), sessions=routing.sessions(win, pm), state=state,
                            admission=ADM.figures(win, pm, status), **keys_of(status))
 
     def layers(self, workers: tuple, kv: KVServerStatus, legs_exposed: Any) -> KVLayers:

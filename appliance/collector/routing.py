@@ -17,10 +17,11 @@ from appliance.policy.decide import AGGREGATE, SPLIT
 from .. import metric_names as N
 from ..wire.prom import Metrics
 from .rates import Window
-from .snapshot import LEG_KINDS, DecisionMix, DecisionReason, LegCounts
+from .snapshot import LEG_KINDS, DecisionMix, DecisionReason, LegCounts, SessionMix
 
 DECISION = "px:decision:"          # window series: px:decision:<kind>:<reason>
 LEG = "px:leg:"                    # window series: px:leg:<worker instance>:<leg>
+SESSION = "px:session:"            # window series: px:session:<outcome>
 _KIND_ORDER = {AGGREGATE: 0, SPLIT: 1}
 
 
@@ -41,7 +42,31 @@ def cumulative(pm: Metrics, who: Callable[[str], str]) -> dict:
         for lab, v in pm.samples(name, "_total"):
             k = f"{LEG}{who(lab.get('backend', ''))}:{lab.get('leg', '')}"
             vals[k] = vals.get(k, 0.0) + v
+    name = N.resolve(N.PROXY, "sessions", pm.names)
+    if name is not None:
+        for lab, v in pm.samples(name, "_total"):
+            k = SESSION + lab.get("outcome", "")
+            vals[k] = vals.get(k, 0.0) + v
     return vals
+
+
+def sessions(window: Window, pm: Union[Metrics, NA]) -> SessionMix:
+    """Named conversations' turns over the window, by what their last worker meant (proxy/sessions.py)."""
+    if isinstance(pm, NA):
+        return SessionMix.na(pm.reason)
+    if N.resolve(N.PROXY, "sessions", pm.names) is None:
+        return SessionMix.na(f"proxy exposes no {C.PROXY_SESSIONS}_total (older than named sessions)")
+    if window.span <= 0:
+        return SessionMix.na("first sample: rates need two ticks")
+    counts = []
+    for key in window.latest:
+        if key.startswith(SESSION):
+            d = window.delta(key, "px")
+            if not isinstance(d, NA) and d > 0:
+                counts.append((key[len(SESSION):], float(d)))
+    total = sum(c for _, c in counts)
+    counts.sort(key=lambda c: (-c[1], c[0]))
+    return SessionMix(total, tuple((o, c, c / total) for o, c in counts))
 
 
 def mix(window: Window, pm: Union[Metrics, NA]) -> DecisionMix:

@@ -117,6 +117,18 @@ class DecisionReason:
 
 
 @dataclass(frozen=True)
+class SessionMix:
+    """What a named conversation's last worker meant for its turns over the window (appliance/proxy/sessions.py
+    OUTCOMES: stayed, moved_load, moved_down, new, edited, split)."""
+    named: Num                   # turns that named a session (X-Session-Id or user) in the window
+    outcomes: Union[tuple, NA]   # ((outcome, turns, share 0..1), ...), most first
+
+    @classmethod
+    def na(cls, reason: str) -> "SessionMix":
+        return cls(NA(reason), NA(reason))
+
+
+@dataclass(frozen=True)
 class DecisionMix:
     """How the proxy decided over the window: aggregate (one worker) or split (P here, D there), and why."""
     decided: Num                 # decisions in the window
@@ -171,6 +183,7 @@ class ProxyStatus:
     decisions: DecisionMix
     state: UnitState
     admission: Admission = Admission.na("not collected")
+    sessions: SessionMix = SessionMix.na("not collected")
     # named keys (the status JSON's "keys", appliance/keys/quota.py Quota.snapshot): {key name: {"inflight",
     # "requests_last_min", "tokens_last_min", "reserved_tokens", "tokens_today", "admitted", "refused": {limit:
     # count}, "tokens"}}; empty when no key has been used (or a proxy older than keys), NA when the JSON did not answer

@@ -5,7 +5,8 @@ import json
 from typing import Any
 
 from appliance.collector import rollout as RO
-from appliance.collector.snapshot import Admission, DecisionMix, LegCounts, Rollout, Snapshot, UnitState, WorkerStatus
+from appliance.collector.snapshot import (Admission, DecisionMix, LegCounts, Rollout, SessionMix, Snapshot,
+                                         UnitState, WorkerStatus)
 from appliance.inventory import NA, is_na
 from appliance.policy.decide import AGGREGATE, SPLIT
 
@@ -114,6 +115,15 @@ def decisions_text(mix: DecisionMix, short: bool = False) -> str:
     return (" " if short else ", ").join(parts)
 
 
+def sessions_text(mix: SessionMix) -> str:
+    """``stayed 90%, moved_load 6%, new 4%`` (named conversations' turns in the window), ``none named``, or NA."""
+    if is_na(mix.outcomes):
+        return "NA"
+    if not mix.outcomes:
+        return "none named (X-Session-Id or user)"
+    return ", ".join(f"{o} {share(s)}" for o, _, s in mix.outcomes)
+
+
 def per_s(v: Any, fmt: str = "{:.2f}") -> str:
     """``0.50/s``, or ``NA`` (never ``NA/s``)."""
     return "NA" if is_na(v) else fmt.format(v) + "/s"
@@ -219,6 +229,10 @@ def render_text(snap: Snapshot) -> str:
     why = f" ({mix.aggregated.reason})" if is_na(mix.aggregated) else f"   ({mix.decided:.0f} in the window)"
     out.append(f"decisions {decisions_text(mix)}{why}")
     out.append(f"admission {admission_text(p.admission)}")
+    sm = p.sessions
+    why = f" ({sm.outcomes.reason})" if is_na(sm.outcomes) else \
+        (f"   ({sm.named:.0f} named turns in the window)" if sm.outcomes else "")
+    out.append(f"conversations {sessions_text(sm)}{why}")
     k, lay = snap.kv, snap.kv_layers
     out.append(f"KV       prefill saved {pct(lay.prefill_saved)}   hit: engine {pct(lay.engine_local)}  "
                f"connector {pct(lay.connector)}  "

@@ -131,7 +131,7 @@ def proxy_metrics(requests: float, ttft_obs: list[float], skipped: dict | None =
                   inflight: float = 0, start_time: float = 1.7e9, backend_state: dict | None = None,
                   decisions: dict | None = None, legs: dict | None = None,
                   legs_inflight: dict | None = None, admission: dict | None = None, queue_depth: float = 0,
-                  good: float = 0, queue_wait: list[float] | None = None) -> str:
+                  good: float = 0, queue_wait: list[float] | None = None, sessions: dict | None = None) -> str:
     """pdctl proxy names (appliance.constants PROXY_*), written as prometheus_client exposes them.
 
     ``decisions`` {(kind, reason): n}, ``legs`` / ``legs_inflight`` {(backend, leg): n}: None leaves the family
@@ -164,6 +164,9 @@ def proxy_metrics(requests: float, ttft_obs: list[float], skipped: dict | None =
         lines += ["# HELP pdctl_proxy_decisions_total Decisions", "# TYPE pdctl_proxy_decisions_total counter"]
         lines += [f'pdctl_proxy_decisions_total{{kind="{k}",reason="{r}"}} {float(v)}'
                   for (k, r), v in decisions.items()]
+    if sessions is not None:        # {outcome: n}: named conversations' turns (proxy/sessions.py)
+        lines += ["# HELP pdctl_proxy_sessions_total Sessions", "# TYPE pdctl_proxy_sessions_total counter"]
+        lines += [f'pdctl_proxy_sessions_total{{outcome="{o}"}} {float(v)}' for o, v in sessions.items()]
     if legs is not None:
         lines += ["# HELP pdctl_proxy_legs_total Legs sent", "# TYPE pdctl_proxy_legs_total counter"]
         lines += [f'pdctl_proxy_legs_total{{backend="{b}",leg="{leg}"}} {float(v)}' for (b, leg), v in legs.items()]

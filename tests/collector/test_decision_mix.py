@@ -9,7 +9,7 @@ from collector_servers import ManualClock, lmcache_metrics, make_plan, proxy_met
 from appliance.collector import Collector, NoGpus, NoUnits
 from appliance.policy.decide import AGGREGATE, R_FEW_UNCACHED, R_LONG_UNCACHED, R_PREFILL_BUSY, SPLIT
 from appliance.inventory import is_na
-from appliance.views.status import decisions_text, legs_text, na_notes, render_json, render_text
+from appliance.views.status import decisions_text, legs_text, na_notes, render_json, render_text, sessions_text
 
 AGG_FEW, AGG_BUSY, SPLIT_LONG = (AGGREGATE, R_FEW_UNCACHED), (AGGREGATE, R_PREFILL_BUSY), (SPLIT, R_LONG_UNCACHED)
 
@@ -33,9 +33,9 @@ def box(endpoints):
     c.close()
 
 
-def scrape(px, decisions=None, legs=None, legs_inflight=None, requests=0.0) -> None:
+def scrape(px, decisions=None, legs=None, legs_inflight=None, requests=0.0, sessions=None) -> None:
     px.set("/metrics", proxy_metrics(requests, [0.2] * int(requests), decisions=decisions, legs=legs,
-                                     legs_inflight=legs_inflight))
+                                     legs_inflight=legs_inflight, sessions=sessions))
 
 
 def two_ticks(c, px, clock, first: dict, second: dict):
@@ -151,6 +151,32 @@ def test_status_says_why_the_mix_is_na(box):
     clock.now += 2.0
     notes = na_notes(c.tick())
     assert not any(n.startswith("decisions:") for n in notes) and any("refused" in n for n in notes)
+
+
+def test_named_conversations_by_what_their_last_worker_meant_over_the_window(box):
+    c, px, clock, _ = box
+    s = two_ticks(c, px, clock, {"decisions": {}, "sessions": {"stayed": 40, "new": 10}},
+                  # +45 stayed, +3 moved_load (first seen now: from 0), +2 new
+                  {"decisions": {}, "sessions": {"stayed": 85, "new": 12, "moved_load": 3}})
+    m = s.proxy.sessions
+    assert m.named == 50.0 and [(o, n) for o, n, _ in m.outcomes] == [("stayed", 45.0), ("moved_load", 3.0),
+                                                                      ("new", 2.0)]
+    assert sessions_text(m) == "stayed 90%, moved_load 6%, new 4%"
+    assert "conversations stayed 90%, moved_load 6%, new 4%   (50 named turns in the window)" in \
+        render_text(s).splitlines()
+    assert json.loads(render_json(s))["proxy"]["sessions"]["outcomes"][0] == ["stayed", 45.0, 0.9]
+    s = two_ticks(c, px, clock, {"decisions": {}}, {"decisions": {}})                   # an older proxy
+    assert is_na(s.proxy.sessions.outcomes) and "no pdctl_proxy_sessions_total" in s.proxy.sessions.named.reason
+    assert next(ln for ln in render_text(s).splitlines() if ln.startswith("conversations")).startswith(
+        "conversations NA (proxy exposes no pdctl_proxy_sessions_total")
+
+
+def test_no_named_turn_in_the_window_says_so(box):
+    c, px, clock, _ = box
+    s = two_ticks(c, px, clock, {"decisions": {}, "sessions": {"stayed": 85}},
+                  {"decisions": {}, "sessions": {"stayed": 85}})
+    assert s.proxy.sessions.named == 0.0 and sessions_text(s.proxy.sessions) == "none named (X-Session-Id or user)"
+    assert "conversations none named (X-Session-Id or user)" in render_text(s).splitlines()
 
 
 def test_a_share_too_small_to_round_still_shows():

@@ -20,6 +20,7 @@ from appliance.views.status import (
     per_s,
     refusals_text,
     secs,
+    sessions_text,
     skipped_text,
     text,
     unit_text,
@@ -117,6 +118,8 @@ def body(snap: Snapshot, unit: str, width: int = 80) -> Table:
                        ("url", Text(p.url)), ("uptime", Text(duration(p.uptime_s))),
                        ("req/s", _v(p.req_per_s)), ("in flight", _v(p.inflight)),
                        ("TTFT p50 / p95", Text(f"{secs(p.ttft_p50_s)} / {secs(p.ttft_p95_s)}")),
-                       ("decisions", Text(decisions_text(p.decisions))), ("P leg skipped", Text(skipped_text(p.pd_skipped))),
+                       ("decisions", Text(decisions_text(p.decisions))),
+                       ("conversations", Text(sessions_text(p.sessions))),
+                       ("P leg skipped", Text(skipped_text(p.pd_skipped))),
                        ("retries/s", _v(p.retries_per_s)), ("breakers", _v(br)), *_admission_rows(p.admission)])
     return _table([("unit", Text(f"{unit}: not in this snapshot", style="dim")), ("", Text(text("")))])
