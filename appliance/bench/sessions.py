@@ -137,9 +137,11 @@ class SessionProgress(Progress):
 async def run_sessions(base_url: str, model: str, convs: Conversations, users: int, num_turns: int,
                        seed: int = 2003, request_timeout_s: float = 600.0, deadline_s: Optional[float] = None,
                        progress: Optional[SessionProgress] = None, api_key: Optional[str] = None,
-                       keep_messages: bool = False) -> SessionRun:
+                       keep_messages: bool = False, session_ids: bool = True) -> SessionRun:
     """``users`` closed-loop users holding conversations of ``convs.profile`` until ``num_turns`` turns were sent
-    (or ``deadline_s`` passed); returns every turn."""
+    (or ``deadline_s`` passed); returns every turn. ``session_ids``: each conversation's turns carry its own
+    ``X-Session-Id`` (the proxy then knows the worker its last answer ended on: appliance/proxy/sessions.py);
+    off, the proxy knows a conversation by its prompt's prefix alone, as with clients that send no id."""
     if users < 1 or num_turns < 1:
         raise BenchError(f"users ({users}) and turns ({num_turns}) must be >= 1")
     prof = convs.profile
@@ -162,6 +164,7 @@ async def run_sessions(base_url: str, model: str, convs: Conversations, users: i
             state["conversations"] += 1
             n_turns = rng.randint(prof.turns_min, prof.turns_max)
             messages = convs.opening(conv)
+            named = {**headers, "X-Session-Id": f"pdctl-bench-{seed}-{conv}"} if session_ids else headers
             for k in range(1, n_turns + 1):
                 if len(turns) >= num_turns:
                     return
@@ -173,7 +176,7 @@ async def run_sessions(base_url: str, model: str, convs: Conversations, users: i
                 state["peak"] = max(state["peak"], state["inflight"])
                 try:
                     await _one(pool, path, chat_body(model, messages, prof.answer_len), res, t0,
-                               request_timeout_s, headers)
+                               request_timeout_s, named)
                 finally:
                     state["inflight"] -= 1
                 t.context_limit = is_context_limit(res)

@@ -6,9 +6,11 @@ streamed answer). The context limit: engines with a small ``max_model_len`` refu
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 
+from appliance import constants as C
 from appliance.stack.localproc import free_port
 from appliance.twin import tokens
 from appliance.twin.profiles import SESSION_PROFILES
@@ -130,13 +132,14 @@ def twin_chat_stack(tmp_path):
                            "--prefill", f"http://127.0.0.1:{pre}", "--decode", f"http://127.0.0.1:{dec}",
                            "--telemetry-prefill"], f"http://127.0.0.1:{proxy}/health")
         st.wait_ready()
-        yield f"http://127.0.0.1:{proxy}"
+        yield f"http://127.0.0.1:{proxy}", f"http://127.0.0.1:{internal}"
     finally:
         st.stop()
 
 
 def test_sessions_through_the_proxy_and_twin_engines(twin_chat_stack, tmp_path):
-    r = pdctl("bench", "--url", twin_chat_stack, "--profile", "chat-sessions", "--users", "3", "--num-prompts",
+    url, internal = twin_chat_stack
+    r = pdctl("bench", "--url", url, "--profile", "chat-sessions", "--users", "3", "--num-prompts",
               "12", "--turns", "2-4", "--think-s", "0.1", "--warmup", "1", "--out", str(tmp_path / "out"),
               "--quiet", timeout=240)
     assert r.returncode == 0, r.stderr
@@ -163,3 +166,9 @@ def test_sessions_through_the_proxy_and_twin_engines(twin_chat_stack, tmp_path):
     rows = {x["turn"]: x for x in run["turns"]}
     assert rows[1]["completed"] == rows[1]["count"] and rows[1]["p50_ttft_ms"] > 0
     assert 3 not in rows or rows[3]["context_limit"] == rows[3]["count"]
+    # every turn named its conversation (X-Session-Id): the proxy counted each by what its last worker meant
+    named = json.loads(urllib.request.urlopen(internal + C.BOX_STATUS_PATH, timeout=10).read())["sessions"]
+    warm = 1                                                             # the warm-up's one first turn
+    firsts = sum(1 for q in run["requests"] if q["turn"] == 1)
+    assert named.get("new", 0) == firsts + warm and named["known"] == firsts + warm, named
+    assert sum(v for k, v in named.items() if k != "known") == len(run["requests"]) + warm, named
