@@ -7,6 +7,14 @@ Traffic: ``SESSION_PROFILES["chat-sessions"]`` (appliance/twin/profiles.py: the 
 so a rate is turns per second; each next turn comes a think time after the last answer (appliance/twin/sessions.py).
 A refused turn is asked again after 1 s and 2 s (the OpenAI SDK's retries), then its conversation ends.
 
+Model: ``--model``, by default the seed's DeepSeek-V2-Lite (MLA: 31,104 B of KV a token, 1.2 M tokens of KV cache
+per A100). With more KV a token the same GPU caches hold fewer conversations: ``llama-3.1-8b`` (GQA, 32 layers x 8
+KV heads x 128 x K and V x bf16 = 131,072 B, 4.2x; 0.40 M tokens per A100, 0.83 M per H200) and ``qwen2.5-32b``
+(64 layers, 262,144 B, 8.4x; 0.22 M tokens per H200; on 3x A100 pdctl's plan is one tensor-parallel engine, so that
+pair is refused), every number from the model's config.json (appliance/model/profiles.py, costmodel.py ``ARCH``).
+The H200 kernel efficiencies were fitted on a Llama-3.1-8B-shaped model (docs/gpu-run.md); nothing in the twin was
+checked against Qwen2.5-32B, nor Llama on A100.
+
 Setups, one run, the same conversations (seed fixed), the same engines (pdctl's setup on that GPU:
 ``CostParams.for_setup("pdctl", hardware)``):
 - ``pdctl``: the default plan (``make_plan``, as benchmarks/policy_study.py: its workers and its L1 size, which is
@@ -56,7 +64,7 @@ MODEL = "deepseek-v2-lite"      # the seed's model (MLA: 31,104 B of KV a token)
 # --model: the registry models the twin has shape facts for (appliance/twin/costmodel.py ARCH), each KV size from
 # its config.json (appliance/model/profiles.py): llama-3.1-8b 131,072 B a token (32 layers x 8 KV heads x 128 x
 # K and V x bf16), 4.2x the seed model's
-MODELS = ("deepseek-v2-lite", "llama-3.1-8b", "qwen2.5-32b", "llama-3.1-70b")
+MODELS = ("deepseek-v2-lite", "llama-3.1-8b", "qwen2.5-32b")     # llama-3.1-70b needs tensor parallel here
 MULTIPLES = (0.7, 1.0, 1.5, 2.0)
 LIGHT = (0.7, 1.0)              # where turn 5's TTFT p50 is compared with turn 1's
 TURN_TOL = 0.20
