@@ -57,18 +57,18 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     like = {"system_len": "; what --prefix-len is to a single-turn profile",
             "answer_len": "; what --output-len is to a single-turn profile", "first_len": "", "message_len": ""}
     for key, flag, least, what in SIZE_FLAGS:
-        p.add_argument(flag, dest=key, type=_tokens(flag), default=None, metavar="TOKENS",
+        p.add_argument(flag, dest=key, type=_tokens(flag, getattr(base, key)), default=None, metavar="TOKENS",
                        help=f"chat-sessions: {what}{like[key]} (>= {least}; default: the profile's, "
                             f"{getattr(base, key)})")
 
 
-def _tokens(flag: str):
+def _tokens(flag: str, example: int):
     """argparse type of a size flag: a whole number of tokens, else argparse's exit 2 naming the flag."""
     def parse(text: str) -> int:
         try:
             return int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"give a whole number of tokens (e.g. {flag} 250), got {text!r}") \
+            raise argparse.ArgumentTypeError(f"give a whole number of tokens (e.g. {flag} {example}), got {text!r}") \
                 from None
     return parse
 
