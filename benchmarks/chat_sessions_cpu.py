@@ -17,9 +17,9 @@ Scaled to 2 cores: system prompt 1,000 tokens, first message 300, later messages
 3 turns per conversation, 3 users, 1 s of think time, 18 turns per tool. Prompt lengths are counted by the tiny
 model's own tokenizer (every tool is given the model directory as its tokenizer).
 
-``pdctl bench`` has no flags for the conversation's sizes (they are the profile's, seed-sized: 6,000-token system
-prompt; too long for 2 cores), so it runs here as ``pdctl bench --profile chat-sessions`` with the
-profile table's entry replaced in-process by the scaled one (see ``PDCTL_BENCH`` below; the CLI code unchanged).
+``pdctl bench --profile chat-sessions`` is given the scaled sizes with its flags (``--system-len``, ``--first-len``,
+``--message-len``, ``--answer-len``). The results committed under benchmarks/results/chat_sessions_cpu/ predate those
+flags: that run replaced the profile table's entry in-process with the same sizes (its ``commands.txt`` shows it).
 
 Per tool, from each worker's /metrics and LMCache's: prompt tokens, local prefix-cache hits/queries, external
 (connector) hits/queries, prompt tokens by source (local_compute / local_cache_hit / external_kv_transfer),
@@ -63,10 +63,6 @@ LOCAL_QUERIES = "vllm:prefix_cache_queries_total"
 PROMPT = "vllm:prompt_tokens_total"
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 THRESHOLDS = {"aggregate_max_uncached": 1_000_000}      # whole requests: one engine request per turn
-PDCTL_BENCH = ("import sys; from dataclasses import replace; from appliance.twin import profiles as P; "
-               "P.SESSION_PROFILES['chat-sessions'] = replace(P.SESSION_PROFILES['chat-sessions'], "
-               "system_len={s}, first_len={f}, message_len={m}, answer_len={a}); "
-               "from appliance.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 class _Dirs:
@@ -131,14 +127,15 @@ def summary(d: dict) -> dict:
 
 
 def pdctl_bench(url: str, a, out: Path, commands: list, tok: Path) -> dict:
-    code = PDCTL_BENCH.format(s=PROF.system_len, f=PROF.first_len, m=PROF.message_len, a=PROF.answer_len)
-    cmd = [sys.executable, "-c", code, "bench", "--url", url, "--profile", "chat-sessions", "--users", a.users,
+    cmd = [sys.executable, "-m", "appliance", "bench", "--url", url, "--profile", "chat-sessions",
+           "--system-len", PROF.system_len, "--first-len", PROF.first_len, "--message-len", PROF.message_len,
+           "--answer-len", PROF.answer_len, "--users", a.users,
            "--turns", f"{PROF.turns_min}-{PROF.turns_max}", "--think-s", PROF.think_s, "--num-prompts",
            a.turns_total, "--warmup", a.users, "--seed", a.seed, "--tokenizer", tok, "--slo-ttft-s", CS.SLO_TTFT_S,
            "--slo-tpot-ms", CS.SLO_TPOT_MS, "--out", out, "--quiet"]
     shown = " ".join(shlex.quote(str(c)) for c in cmd)
     CS.log(f"pdctl bench: {shown}")
-    commands.append(f"# pdctl bench (the chat-sessions profile's sizes replaced in-process)\n{shown}\n")
+    commands.append(f"# pdctl bench\n{shown}\n")
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)
     if r.returncode != 0:
         raise RuntimeError(f"pdctl bench exited {r.returncode}: {(r.stderr or r.stdout)[-2000:]}")

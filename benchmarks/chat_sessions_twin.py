@@ -7,6 +7,14 @@ Traffic: ``SESSION_PROFILES["chat-sessions"]`` (appliance/twin/profiles.py: the 
 so a rate is turns per second; each next turn comes a think time after the last answer (appliance/twin/sessions.py).
 A refused turn is asked again after 1 s and 2 s (the OpenAI SDK's retries), then its conversation ends.
 
+Model: ``--model``, by default the seed's DeepSeek-V2-Lite (MLA: 31,104 B of KV a token, 1.2 M tokens of KV cache
+per A100). With more KV a token the same GPU caches hold fewer conversations: ``llama-3.1-8b`` (GQA, 32 layers x 8
+KV heads x 128 x K and V x bf16 = 131,072 B, 4.2x; 0.40 M tokens per A100, 0.83 M per H200) and ``qwen2.5-32b``
+(64 layers, 262,144 B, 8.4x; 0.22 M tokens per H200; on 3x A100 pdctl's plan is one tensor-parallel engine, so that
+pair is refused), every number from the model's config.json (appliance/model/profiles.py, costmodel.py ``ARCH``).
+The H200 kernel efficiencies were fitted on a Llama-3.1-8B-shaped model (docs/gpu-run.md); nothing in the twin was
+checked against Qwen2.5-32B, nor Llama on A100.
+
 Setups, one run, the same conversations (seed fixed), the same engines (pdctl's setup on that GPU:
 ``CostParams.for_setup("pdctl", hardware)``):
 - ``pdctl``: the default plan (``make_plan``, as benchmarks/policy_study.py: its workers and its L1 size, which is
@@ -30,7 +38,7 @@ Targets (issue 32), checked for ``pdctl``: turn-5 TTFT p50 within 20 % of turn 1
 computed <= 1.3x the new tokens (at every rate); goodput >= 1.3x vllm-router cache_aware's (at every rate, printed
 as the ratio). Exit 0 when all hold, 1 otherwise (each failure on a FAIL line).
 
-Usage: ``python benchmarks/chat_sessions_twin.py [--profile a100|h200|all] [--think-s S] [--seed N]``.
+Usage: ``python benchmarks/chat_sessions_twin.py [--profile a100|h200|all] [--think-s S] [--seed N] [--model M]``.
 """
 from __future__ import annotations
 
@@ -52,7 +60,11 @@ from appliance.twin.workloads import Sessions  # noqa: E402
 
 PROFILES = {"a100": ("a100-80gb", 3), "h200": ("h200", 2)}     # name: (hardware, GPUs)
 NVML = {"a100-80gb": "A100-80GB", "h200": "H200"}
-MODEL = "deepseek-v2-lite"      # the seed's model
+MODEL = "deepseek-v2-lite"      # the seed's model (MLA: 31,104 B of KV a token)
+# --model: the registry models the twin has shape facts for (appliance/twin/costmodel.py ARCH), each KV size from
+# its config.json (appliance/model/profiles.py): llama-3.1-8b 131,072 B a token (32 layers x 8 KV heads x 128 x
+# K and V x bf16), 4.2x the seed model's
+MODELS = ("deepseek-v2-lite", "llama-3.1-8b", "qwen2.5-32b")     # llama-3.1-70b needs tensor parallel here
 MULTIPLES = (0.7, 1.0, 1.5, 2.0)
 LIGHT = (0.7, 1.0)              # where turn 5's TTFT p50 is compared with turn 1's
 TURN_TOL = 0.20
@@ -74,22 +86,26 @@ class Setup:
     connector: bool = True
     warm_extra: float = Thresholds().warm_max_extra_load
     l1_gb: float = SEED_L1_GB
+    model: str = MODEL
 
 
-def setups(hardware: str, gpus: int) -> list:
+def setups(hardware: str, gpus: int, model: str = MODEL) -> list:
     from appliance.inventory import detect
     from appliance.model.profiles import resolve as resolve_model
     from appliance.plan.planner import Overrides, Workload as PlanWorkload, make_plan
-    plan = make_plan(detect(f"fake:{gpus}x{NVML[hardware]}"), resolve_model(MODEL), PlanWorkload(),
+    plan = make_plan(detect(f"fake:{gpus}x{NVML[hardware]}"), resolve_model(model), PlanWorkload(),
                      Overrides(engine="twin"))
     p, d, b = (len(plan.by_role(r)) for r in ("prefill", "decode", "both"))
     fam = plan.predicted.get("family", f"{p}P{d}D{b}B")
     l1 = plan.kv_server.l1_size_gb      # what the plan gives LMCache on this box (host RAM less a reserve)
-    return [Setup(f"pdctl ({fam}, adaptive, warm, admission)", p, d, b, "adaptive", True, True, l1_gb=l1),
-            Setup(f"pdctl, warm off ({fam})", p, d, b, "adaptive", False, True, l1_gb=l1),
-            Setup(f"round-robin 1P{gpus - 1}D (seed)", 1, gpus - 1, 0, "round-robin"),
+    if p + d + b != gpus:
+        raise SystemExit(f"pdctl's plan for {model} on {gpus}x {NVML[hardware]} is {fam} (tensor parallel or fewer "
+                         "workers than GPUs): the per-GPU comparison below does not apply; pick another --profile")
+    return [Setup(f"pdctl ({fam}, adaptive, warm, admission)", p, d, b, "adaptive", True, True, l1_gb=l1, model=model),
+            Setup(f"pdctl, warm off ({fam})", p, d, b, "adaptive", False, True, l1_gb=l1, model=model),
+            Setup(f"round-robin 1P{gpus - 1}D (seed)", 1, gpus - 1, 0, "round-robin", model=model),
             Setup(f"vllm-router cache_aware, {gpus} engines, no connector", 0, 0, gpus, "cache-aware",
-                  connector=False)]
+                  connector=False, model=model)]
 
 
 def run(hardware: str, s: Setup, sessions: Sessions, rate: float, seed: int, admission=None) -> dict:
@@ -97,7 +113,7 @@ def run(hardware: str, s: Setup, sessions: Sessions, rate: float, seed: int, adm
     adm = admission if admission is not None else (Policy(ttft_slo_s=SLO[0], tpot_slo_s=SLO[1]) if s.admission
                                                    else None)
     n = math.ceil(rate * sessions.steady_window_s())
-    return simulate(hardware, MODEL, s.prefill, s.decode, sessions, [rate], num_prompts=n, policy=s.policy,
+    return simulate(hardware, s.model, s.prefill, s.decode, sessions, [rate], num_prompts=n, policy=s.policy,
                     seed=seed, both=s.both, thresholds=th, connector=s.connector, admission=adm, kv_size_gb=s.l1_gb,
                     params=CostParams.for_setup(PDCTL_SETUP, hardware))[0]
 
@@ -107,13 +123,21 @@ def holds(r: dict) -> bool:
 
 
 def ceiling(hardware: str, s: Setup, sessions: Sessions, seed: int, lo: float = 4.0) -> float:
-    """The highest rate (turns/s) at which ``s`` without admission holds both SLOs: doubling, then 4 bisections."""
+    """The highest rate (turns/s) at which ``s`` without admission holds both SLOs: doubling from ``lo`` (halving
+    when ``lo`` already misses them), then 4 bisections."""
     off = Policy(mode="off")
-    hi = lo
-    while holds(run(hardware, s, sessions, hi, seed, off)):
-        lo, hi = hi, hi * 2
-        if hi > 1024:
-            return lo
+    if holds(run(hardware, s, sessions, lo, seed, off)):
+        hi = lo * 2
+        while holds(run(hardware, s, sessions, hi, seed, off)):
+            lo, hi = hi, hi * 2
+            if hi > 1024:
+                return lo
+    else:
+        hi, lo = lo, lo / 2
+        while not holds(run(hardware, s, sessions, lo, seed, off)):
+            hi, lo = lo, lo / 2
+            if lo < 0.1:
+                return 0.0
     for _ in range(4):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if holds(run(hardware, s, sessions, mid, seed, off)) else (lo, mid)
@@ -129,13 +153,23 @@ def row(label: str, rate: float, r: dict) -> str:
             f"{r['computed_per_new']:.2f} | {src['gpu']:.2f} / {src['l1']:.2f} / {src['computed']:.2f} |")
 
 
-def study(name: str, sessions: Sessions, seed: int) -> list:
+def kv_facts(hardware: str, model: str) -> str:
+    """The model's KV bytes a token and how many tokens one GPU's own prefix cache holds (pdctl's engine settings)."""
+    from appliance.model.profiles import resolve as resolve_model
+    from appliance.twin.costmodel import CostModel
+    from appliance.twin.hardware import resolve as resolve_hw
+    m = resolve_model(model)
+    cap = CostModel(resolve_hw(hardware), m, params=CostParams.for_setup(PDCTL_SETUP, hardware)).kv_capacity_tokens()
+    return f"KV {m.kv_bytes_per_token:,} B a token, {cap / 1e6:.2f} M tokens of GPU KV cache per engine"
+
+
+def study(name: str, sessions: Sessions, seed: int, model: str = MODEL) -> list:
     hardware, gpus = PROFILES[name]
     t0 = time.time()
-    ss = setups(hardware, gpus)
+    ss = setups(hardware, gpus, model)
     g = ceiling(hardware, ss[0], sessions, seed)
-    print(f"\n## {gpus}x {NVML[hardware]}, {MODEL}: G = {g:.1f} turns/s (pdctl's default, admission off, "
-          f"both SLOs; L1 {ss[0].l1_gb:g} GB; {time.time() - t0:.0f} s)\n", flush=True)
+    print(f"\n## {gpus}x {NVML[hardware]}, {model} ({kv_facts(hardware, model)}): G = {g:.1f} turns/s (pdctl's "
+          f"default, admission off, both SLOs; L1 {ss[0].l1_gb:g} GB; {time.time() - t0:.0f} s)\n", flush=True)
     print("| setup | rate turns/s | goodput | asked (with retries) | refused | turn 1 TTFT p50 / p95 ms | "
           "turn 5 TTFT p50 / p95 ms | computed / new | KV from GPU / L1 / computed |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -167,13 +201,14 @@ def study(name: str, sessions: Sessions, seed: int) -> list:
     return fails
 
 
-def sweep_warm(name: str, sessions: Sessions, seed: int, values=(4.0, 8.0, 16.0, 32.0, 64.0)) -> None:
+def sweep_warm(name: str, sessions: Sessions, seed: int, values=(4.0, 8.0, 16.0, 32.0, 64.0),
+               model: str = MODEL) -> None:
     """pdctl's default at 0.7x, 1x and 1.5x G for several ``warm_max_extra_load`` values (how much busier than the
     least-loaded worker a warm worker may be and still get the turn): where ``Thresholds``' default comes from."""
     hardware, gpus = PROFILES[name]
-    base = setups(hardware, gpus)[0]
+    base = setups(hardware, gpus, model)[0]
     g = ceiling(hardware, base, sessions, seed)
-    print(f"\n## warm_max_extra_load on {gpus}x {NVML[hardware]}: G = {g:.1f} turns/s\n")
+    print(f"\n## warm_max_extra_load on {gpus}x {NVML[hardware]}, {model}: G = {g:.1f} turns/s\n")
     print("| setup | rate turns/s | goodput | asked (with retries) | refused | turn 1 TTFT p50 / p95 ms | "
           "turn 5 TTFT p50 / p95 ms | computed / new | KV from GPU / L1 / computed |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -188,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", choices=(*PROFILES, "all"), default="all")
     ap.add_argument("--think-s", type=float, default=None, help="mean think time (default: the profile's)")
     ap.add_argument("--seed", type=int, default=2003)
+    ap.add_argument("--model", choices=MODELS, default=MODEL,
+                    help="the model the engines serve (default: the seed's, %(default)s; llama-3.1-8b has 4.2x its "
+                         "KV a token)")
     ap.add_argument("--sweep-warm", action="store_true", help="only sweep the warm rule's warm_max_extra_load")
     args = ap.parse_args(argv)
     prof = SESSION_PROFILES["chat-sessions"]
@@ -198,13 +236,13 @@ def main(argv=None) -> int:
     print(f"# chat sessions on the twin: {prof.system_len}-token system prompt, {prof.first_len}-token first message, "
           f"{prof.message_len}-token later messages, {prof.answer_len}-token answers, {prof.turns_min}-"
           f"{prof.turns_max} turns, think {prof.think_s:g} s; SLO TTFT p95 {SLO[0]:g} s, TPOT p95 "
-          f"{SLO[1] * 1000:g} ms; seed {args.seed}")
+          f"{SLO[1] * 1000:g} ms; seed {args.seed}; model {args.model}")
     fails = []
     for name in (PROFILES if args.profile == "all" else (args.profile,)):
         if args.sweep_warm:
-            sweep_warm(name, sessions, args.seed)
+            sweep_warm(name, sessions, args.seed, model=args.model)
             continue
-        fails += study(name, sessions, args.seed)
+        fails += study(name, sessions, args.seed, args.model)
     print(f"\n{len(fails)} target(s) missed" + "".join(f"\nFAIL {f}" for f in fails))
     return 1 if fails else 0
 

@@ -257,7 +257,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", default="seed-p50",
                    help="seed-p50 (6000+1869 in, 252 out) | seed-p95 (12000+3840 in, 561 out) | FILE.json/.toml | "
                         "chat-sessions (multi-turn conversations over /v1/chat/completions, closed loop: --users, "
-                        "--turns, --think-s)")
+                        "--turns, --think-s, --system-len, --first-len, --message-len, --answer-len)")
     from .session_cli import add_flags as add_session_flags
     add_session_flags(p)
     p.add_argument("--input-len", dest="input_len", type=int, help="tokens per prompt (prefix included)")

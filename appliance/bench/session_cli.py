@@ -2,7 +2,14 @@
 session_report.py); the single-turn bench (cli.py) hands over to it when the profile is a session profile.
 
 Flags of its own: ``--users N`` (concurrent conversations, default 16), ``--turns N|MIN-MAX`` and ``--think-s S``
-(override the profile's turns per conversation and mean think time). Shared with the single-turn bench:
+(override the profile's turns per conversation and mean think time), and the conversation's sizes in tokens, each
+overriding the profile's: ``--system-len`` (the system prompt every conversation shares, 0 = none),
+``--first-len`` (turn 1's user message), ``--message-len`` (every later user message), ``--answer-len`` (every
+answer: ``max_tokens`` with ``ignore_eos``). They are named after the profile's fields (``SessionProfile``) with the
+single-turn flags' ``-len`` suffix, rather than reusing ``--prefix-len``/``--input-len``/``--output-len``: a
+conversation's prompt is not one length (it grows by an answer and a message every turn), so one flag meaning two
+things by profile would mislead; the single-turn flags given here are refused with the counterpart to use.
+Shared with the single-turn bench:
 ``--num-prompts`` (turns in all), ``--max-duration`` (the whole run), ``--warmup`` (first turns sent before the
 run, ``--users`` at a time, no think time: they put the system prompt in the caches), ``--warmup-pause``, the SLOs,
 ``--out``, ``--json``, ``--model``, ``--tokenizer``, ``--api-key-file``, ``--seed``, ``--quiet``. Flags of the
@@ -24,9 +31,18 @@ from ..twin.profiles import SESSION_PROFILES, SessionProfile
 from . import BenchError
 
 DEFAULT_USERS = 16
-SESSION_FLAGS = (("users", "--users"), ("turns", "--turns"), ("think_s", "--think-s"))
+# the conversation's sizes: (args key = SessionProfile field, flag, least value, what it is)
+SIZE_FLAGS = (("system_len", "--system-len", 0, "tokens of the system prompt every conversation shares (0: none)"),
+              ("first_len", "--first-len", 1, "tokens of each conversation's first user message"),
+              ("message_len", "--message-len", 1, "tokens of every later user message"),
+              ("answer_len", "--answer-len", 1, "tokens of every answer (max_tokens, ignore_eos)"))
+SESSION_FLAGS = (("users", "--users"), ("turns", "--turns"), ("think_s", "--think-s"),
+                 *((key, flag) for key, flag, _, _ in SIZE_FLAGS))
 SWEEP_FLAGS = (("rates", "--rates"), ("rates_x", "--rates-x"), ("input_len", "--input-len"),
                ("prefix_len", "--prefix-len"), ("output_len", "--output-len"))
+# what a single-turn size flag given with a session profile is called here
+COUNTERPART = {"input_len": "--first-len (turn 1's message; later prompts grow by the history)",
+               "prefix_len": "--system-len", "output_len": "--answer-len"}
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -37,6 +53,24 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-s", dest="think_s", type=float, default=None,
                    help="chat-sessions: mean think time between an answer and the next turn, seconds "
                         "(exponential; default: the profile's, 8)")
+    base = SESSION_PROFILES["chat-sessions"]
+    like = {"system_len": "; what --prefix-len is to a single-turn profile",
+            "answer_len": "; what --output-len is to a single-turn profile", "first_len": "", "message_len": ""}
+    for key, flag, least, what in SIZE_FLAGS:
+        p.add_argument(flag, dest=key, type=_tokens(flag, getattr(base, key)), default=None, metavar="TOKENS",
+                       help=f"chat-sessions: {what}{like[key]} (>= {least}; default: the profile's, "
+                            f"{getattr(base, key)})")
+
+
+def _tokens(flag: str, example: int):
+    """argparse type of a size flag: a whole number of tokens, else argparse's exit 2 naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"give a whole number of tokens (e.g. {flag} {example}), got {text!r}") \
+                from None
+    return parse
 
 
 def is_session(args: argparse.Namespace) -> bool:
@@ -47,14 +81,20 @@ def check_single_turn(args: argparse.Namespace) -> None:
     """The session flags given with a single-turn profile: refused by name."""
     for key, flag in SESSION_FLAGS:
         if getattr(args, key, None) is not None:
+            sizes = " (its sizes: --input-len, --prefix-len, --output-len)" if key.endswith("_len") else ""
             raise BenchError(f"{flag} is for a multi-turn profile ({', '.join(SESSION_PROFILES)}); --profile "
-                             f"{args.profile} sends single-turn requests")
+                             f"{args.profile} sends single-turn requests{sizes}")
 
 
 def session_profile(args: argparse.Namespace) -> SessionProfile:
-    """The profile with ``--turns``/``--think-s`` applied, after the sweep-only flags were refused by name."""
+    """The profile with ``--turns``/``--think-s`` and the size flags applied, after the sweep-only flags were
+    refused by name."""
     for key, flag in SWEEP_FLAGS:
         if getattr(args, key, None) is not None:
+            if key in COUNTERPART:
+                raise BenchError(f"{flag} does not apply to --profile {args.profile} (a conversation's sizes are "
+                                 f"--system-len, --first-len, --message-len, --answer-len): use "
+                                 f"{COUNTERPART[key]}")
             raise BenchError(f"{flag} does not apply to --profile {args.profile} (closed-loop conversations: use "
                              "--users, --turns, --think-s, --num-prompts)")
     if args.overload:
@@ -72,6 +112,13 @@ def session_profile(args: argparse.Namespace) -> SessionProfile:
         if not (args.think_s >= 0 and math.isfinite(args.think_s)):
             raise BenchError(f"--think-s must be >= 0 seconds, got {args.think_s:g}")
         over["think_s"] = args.think_s
+    for key, flag, least, what in SIZE_FLAGS:
+        v = getattr(args, key, None)
+        if v is not None:
+            if v < least:
+                raise BenchError(f"{flag} {v}: {what} must be >= {least}; give e.g. {flag} "
+                                 f"{getattr(SESSION_PROFILES['chat-sessions'], key)} (the profile's)")
+            over[key] = v
     if args.users is not None and args.users < 1:
         raise BenchError(f"--users must be >= 1, got {args.users}")
     prof = replace(prof, name=prof.name + ("+custom" if over else ""), **over)
