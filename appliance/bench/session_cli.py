@@ -37,7 +37,7 @@ SIZE_FLAGS = (("system_len", "--system-len", 0, "tokens of the system prompt eve
               ("message_len", "--message-len", 1, "tokens of every later user message"),
               ("answer_len", "--answer-len", 1, "tokens of every answer (max_tokens, ignore_eos)"))
 SESSION_FLAGS = (("users", "--users"), ("turns", "--turns"), ("think_s", "--think-s"),
-                 *((key, flag) for key, flag, _, _ in SIZE_FLAGS))
+                 ("no_session_id", "--no-session-id"), *((key, flag) for key, flag, _, _ in SIZE_FLAGS))
 SWEEP_FLAGS = (("rates", "--rates"), ("rates_x", "--rates-x"), ("input_len", "--input-len"),
                ("prefix_len", "--prefix-len"), ("output_len", "--output-len"))
 # what a single-turn size flag given with a session profile is called here
@@ -53,6 +53,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-s", dest="think_s", type=float, default=None,
                    help="chat-sessions: mean think time between an answer and the next turn, seconds "
                         "(exponential; default: the profile's, 8)")
+    p.add_argument("--no-session-id", dest="no_session_id", action="store_const", const=True, default=None,
+                   help="chat-sessions: send no X-Session-Id (by default each conversation names itself, so the "
+                        "proxy knows the worker its last answer ended on; without, it knows a conversation by its "
+                        "prompt's prefix alone, as for clients that name none)")
     base = SESSION_PROFILES["chat-sessions"]
     like = {"system_len": "; what --prefix-len is to a single-turn profile",
             "answer_len": "; what --output-len is to a single-turn profile", "first_len": "", "message_len": ""}
@@ -151,13 +155,14 @@ async def _run(args: argparse.Namespace, prof: SessionProfile) -> tuple[dict, di
         prog = SessionProgress("warm-up (first turns)", args.warmup, enabled=not quiet)
         await run_sessions(args.url, model, Conversations(wprof, tok, args.seed, "warmup"), min(users, args.warmup),
                            args.warmup, seed=args.seed + 1, request_timeout_s=args.request_timeout,
-                           progress=prog, api_key=key)
+                           progress=prog, api_key=key,
+                           session_ids=not args.no_session_id)
         if args.warmup_pause > 0:
             await asyncio.sleep(args.warmup_pause)
     prog = SessionProgress(f"{users} users", args.num_prompts, enabled=not quiet)
     run = await run_sessions(args.url, model, Conversations(prof, tok, args.seed), users, args.num_prompts,
                              seed=args.seed, request_timeout_s=args.request_timeout, deadline_s=args.max_duration,
-                             progress=prog, api_key=key)
+                             progress=prog, api_key=key, session_ids=not args.no_session_id)
     s = summarize_sessions(run, model=model, tokenizer_id=tok.name, profile=_meta(prof),
                            slo_ttft_s=args.slo_ttft_s, slo_tpot_ms=args.slo_tpot_ms)
     meta = {"url": args.url, "model": model, "profile": _meta(prof), "users": users, "seed": args.seed,

@@ -64,7 +64,7 @@ def test_no_system_prompt(standin):
 
 
 def test_sizes_through_the_proxy_and_twin_engines(twin_chat_stack, tmp_path):  # noqa: F811
-    r = pdctl("bench", "--url", twin_chat_stack, "--profile", "chat-sessions", *FLAGS, "--users", "2",
+    r = pdctl("bench", "--url", twin_chat_stack[0], "--profile", "chat-sessions", *FLAGS, "--users", "2",
               "--num-prompts", "6", "--turns", "3", "--think-s", "0.05", "--warmup", "1", "--out",
               str(tmp_path / "out"), "--quiet", timeout=240)
     assert r.returncode == 0, r.stderr

@@ -172,3 +172,8 @@ def test_sessions_through_the_proxy_and_twin_engines(twin_chat_stack, tmp_path):
     firsts = sum(1 for q in run["requests"] if q["turn"] == 1)
     assert named.get("new", 0) == firsts + warm and named["known"] == firsts + warm, named
     assert sum(v for k, v in named.items() if k != "known") == len(run["requests"]) + warm, named
+    r = pdctl("bench", "--url", url, "--profile", "chat-sessions", "--users", "2", "--num-prompts", "4", "--turns",
+              "2", "--think-s", "0.1", "--warmup", "0", "--no-session-id", "--quiet", timeout=240)
+    assert r.returncode == 0, r.stderr
+    again = json.loads(urllib.request.urlopen(internal + C.BOX_STATUS_PATH, timeout=10).read())["sessions"]
+    assert again == named, "--no-session-id still named its conversations"
