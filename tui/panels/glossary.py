@@ -52,6 +52,10 @@ NUMBERS = (
     ("L1 used", "the KV server's host-RAM cache in use, of its size; evictions/s: chunks evicted per second"),
     ("decisions", "how the proxy served requests in the window: aggregated (one worker) or split (P leg "
                   "here, D leg there), with each reason's share (appliance/policy/decide.py)"),
+    ("conversations", "chat turns that named their conversation (X-Session-Id or OpenAI's user) in the window, by "
+                      "what the worker of its last answer meant: stayed on it, moved_load (it was the busier one), "
+                      "moved_down (it takes nothing now), new, edited (the history changed), split "
+                      "(appliance/proxy/sessions.py)"),
     ("run/wait", "requests the engine is running / has waiting (vLLM gauges); kvserver: lookups/s"),
     ("KV", "the engine's KV cache blocks in use; kvserver: its L1 in use"),
     ("legs F P D", "legs the proxy has open on the worker now: full (aggregated) requests, P legs, D legs"),
