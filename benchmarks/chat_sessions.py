@@ -1,6 +1,6 @@
 """Multi-turn chat through pdctl's proxy, measured by load generators nobody here wrote (issue 32, point 3): NVIDIA's
-aiperf and guidellm, each run unmodified from a scratch venv, beside ``pdctl bench --profile chat-sessions`` on the
-same twin stack and the same conversation shape.
+aiperf, guidellm and LMCache's multi-round QA script, each run unmodified from a scratch venv, beside ``pdctl bench
+--profile chat-sessions`` on the same twin stack and the same conversation shape.
 
 Question: do two third-party tools and ``pdctl bench`` see the same TTFT, TPOT and throughput when users hold
 multi-turn conversations (the history resent with each turn) through pdctl's OpenAI endpoint?
@@ -17,7 +17,16 @@ default plan for ``--gpus``, twin engines in real time, all on loopback), in ord
 3. guidellm (``guidellm run``, ``openai_http`` backend on ``/v1/chat/completions``): a ``concurrent`` profile of
    ``--users`` streams, synthetic multi-turn data (``turns=N``, ``first_prompt_tokens``, ``prompt_tokens``,
    ``prefix_tokens`` with one prefix bucket: the shared system prompt, ``delay``: think time), its own goodput
-   from its SLOs.
+   from its SLOs;
+4. LMCache's multi-round QA (``benchmarks/multi-round-qa/multi-round-qa.py``, not on PyPI: copied byte for byte at
+   run time out of a git snapshot of LMCache's history, benchmarks/chat_mrqa.py says which and how): ``--num-users``,
+   ``--num-rounds`` (the mean turns), ``--qps`` (aiperf's), ``--shared-system-prompt``, ``--user-history-prompt``
+   (the first message), ``--answer-len``, for ``--time`` = turns / QPS seconds; its later messages are its own fixed
+   ~21-token question (no flag). It hard-codes ``api_key="EMPTY"`` (``Authorization: Bearer EMPTY``): a box with
+   keys answers 401 to it, measured each run by a second proxy with a keys file (``lmcache-mrqa-keys.json``).
+With ``--drain`` (or ``--drain-after N`` turns routed, ``--drain-at S`` seconds), aiperf runs once more and its warm
+worker is drained halfway through its turns (or as asked) through the proxy's control route (benchmarks/chat_drain.py:
+the engines' counters per worker before, at the drain and after, in ``drain-aiperf/``).
 The conversation shape is the seed's (``SESSION_PROFILES["chat-sessions"]``, appliance/twin/profiles.py: 6,000-token
 system prompt, 1,900-token first message, 150-token later messages, 250-token answers) with fewer turns and a
 shorter think time (default 2-4 turns, 2 s: the seed's 3-10 turns and 8 s would take half an hour per tool on a
@@ -48,11 +57,13 @@ Why the numbers differ between tools (what each one's concurrency and rate mean)
 
 Results go to ``--out`` (default benchmarks/results/chat_sessions/): each tool's own summary export (aiperf's
 profile_export_aiperf.json and console table, guidellm's metrics without the per-request prompts and its console
-table, pdctl bench's sessions.json), ``commands.txt`` (the exact commands) and ``table.md``.
+table, the multi-round QA script's console output and CSV, pdctl bench's sessions.json), ``commands.txt`` (the exact
+commands) and ``table.md``.
 
     .venv/bin/python benchmarks/chat_sessions.py                      # ~6 min on 2 cores, installs first
     .venv/bin/python benchmarks/chat_sessions.py --tools aiperf --users 8 --turns-total 64
     .venv/bin/python benchmarks/chat_sessions.py --no-install         # use the venvs already there
+    .venv/bin/python benchmarks/chat_sessions.py --drain              # + aiperf again, its warm worker drained
 """
 from __future__ import annotations
 
@@ -177,7 +188,8 @@ def pdctl_bench(stack, a, out: Path, commands: list) -> dict:
             "prompt": {r["turn"]: r["mean_prompt_tokens"] for r in s["turns"]}}
 
 
-def aiperf(stack, a, tok: Path, qps: float, out: Path, commands: list) -> dict:
+def aiperf(stack, a, tok: Path, qps: float, out: Path, commands: list, records: list | None = None) -> dict:
+    """aiperf's run; ``records`` (when given) gets one entry per turn: conversation, turn, start (s), prompt."""
     first_ctx = PROF.first_len - PROF.message_len      # user context + the turn's own prompt = the first message
     art = Path(tempfile.mkdtemp(prefix="aiperf-"))
     cmd = [VENVS / "aiperf" / "bin" / "aiperf", "profile", "-m", stack.plan.served_model_name,
@@ -207,6 +219,10 @@ def aiperf(stack, a, tok: Path, qps: float, out: Path, commands: list) -> dict:
         if "time_to_first_token" in m and not x.get("error"):
             by_turn.setdefault(k, []).append(m["time_to_first_token"]["value"])
             prompt.setdefault(k, []).append((m.get("usage_prompt_tokens") or m["input_sequence_length"])["value"])
+            if records is not None:
+                md = x.get("metadata") or {}
+                records.append({"conv": md.get("conversation_id"), "turn": k, "start": md["request_start_ns"] / 1e9,
+                                "prompt": prompt[k][-1], "ttft_ms": m["time_to_first_token"]["value"]})
     (out / "aiperf-per-turn.json").write_text(json.dumps(
         {k: {"count": len(v), "p50_ttft_ms": percentile(v, 50), "mean_prompt_tokens": statistics.fmean(prompt[k])}
          for k, v in sorted(by_turn.items())}, indent=1) + "\n")
@@ -290,10 +306,12 @@ def table(rows: list) -> str:
 
 
 def main() -> int:
+    import chat_mrqa as MRQA           # benchmarks/ is on the path (this file's directory); it imports this module
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", default="fake:3xA100-80GB")
     ap.add_argument("--model", default=_d("install", "model"))
-    ap.add_argument("--tools", default="aiperf,guidellm", help="comma-separated: aiperf, guidellm (or none)")
+    ap.add_argument("--tools", default="aiperf,guidellm,lmcache-mrqa",
+                    help="comma-separated: aiperf, guidellm, lmcache-mrqa (or none)")
     ap.add_argument("--users", type=int, default=6)
     ap.add_argument("--turns", default="2-4", help="pdctl bench's turns per conversation (uniform MIN-MAX)")
     ap.add_argument("--think-s", dest="think_s", type=float, default=2.0)
@@ -302,26 +320,40 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="per tool run, seconds")
     ap.add_argument("--no-install", action="store_true", help="use the tools in their venvs, never pip install")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chat_sessions")
+    ap.add_argument("--mrqa-git", type=Path, default=MRQA.MRQA_GIT, help="git dir holding LMCache's history")
+    ap.add_argument("--mrqa-commit", default=MRQA.MRQA_COMMIT, help="the LMCache commit its script is copied from")
+    ap.add_argument("--no-key-check", dest="key_check", action="store_false",
+                    help="skip lmcache-mrqa's keyed-proxy check (its hard-coded Bearer EMPTY)")
+    ap.add_argument("--drain-at", dest="drain_at", type=float, default=0.0, metavar="S",
+                    help="after the tools: aiperf once more, its warm worker drained S seconds in (chat_drain.py)")
+    ap.add_argument("--drain-after", dest="drain_after", type=int, default=0, metavar="N",
+                    help="drain once the proxy routed N of its turns (default with --drain: warm-up + half the turns)")
+    ap.add_argument("--drain", action="store_true", help="aiperf once more with a drain (--drain-at / --drain-after)")
     a = ap.parse_args()
     lo, _, hi = a.turns.partition("-")
     tmin, tmax = int(lo), int(hi or lo)
     a.turns_mean, a.turns_stddev = round((tmin + tmax) / 2), (tmax - tmin) // 2     # aiperf takes whole turns
     tools = [t for t in a.tools.split(",") if t and t != "none"]
     for t in tools:
-        if t not in TOOLS:
-            ap.error(f"--tools: unknown tool {t!r}; use {', '.join(TOOLS)}")
+        if t not in TOOLS and t != "lmcache-mrqa":
+            ap.error(f"--tools: unknown tool {t!r}; use {', '.join(TOOLS)}, lmcache-mrqa")
     a.out.mkdir(parents=True, exist_ok=True)
     toks = {}
-    for t in tools:                    # before the stack starts: an install takes minutes
+    commands: list = []
+    a.drain = a.drain or bool(a.drain_at or a.drain_after)
+    for t in tools + (["aiperf"] if a.drain and "aiperf" not in tools else []):   # before the stack: installs
         try:
+            if t == "lmcache-mrqa":
+                toks[t] = MRQA.prepare(a.mrqa_git, a.mrqa_commit, not a.no_install, commands)
+                continue
             ensure_tool(t, not a.no_install)
             toks[t] = build_tokenizer(t, VENVS / f"tokenizer-{t}")
         except (RuntimeError, subprocess.CalledProcessError, OSError) as exc:
-            log(f"{t} cannot run here: {exc}")
+            log(f"{t} cannot run here: {exc} {getattr(exc, 'stderr', '') or ''}")
             return 2
     from appliance.stack.twin_stack import start_twin_stack
-    commands: list = []
     rows: list = []
+    keys: dict = {}
     t0 = time.monotonic()
     stack = start_twin_stack(a.gpus, a.model, Path(tempfile.mkdtemp(prefix="chat-sessions-stack-")))
     try:
@@ -336,6 +368,7 @@ def main() -> int:
         for t in tools:
             try:
                 rows.append(aiperf(stack, a, toks[t], qps, a.out, commands) if t == "aiperf" else
+                            MRQA.run(stack, a, qps, toks[t], a.out, commands) if t == "lmcache-mrqa" else
                             guidellm(stack, a, toks[t], a.out, commands))
             except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as exc:
                 log(f"{t} did not complete: {exc}")
@@ -343,6 +376,13 @@ def main() -> int:
                              "tpot_p50": 0, "req_s": 0, "goodput": None, "turns": {}, "prompt": {},
                              "error": str(exc)[:500]})
             stack.drain()
+        if "lmcache-mrqa" in tools and a.key_check:
+            keys = MRQA.key_check(stack, a, toks["lmcache-mrqa"], a.out, commands)
+            (a.out / "lmcache-mrqa-keys.json").write_text(json.dumps(keys, indent=1) + "\n")
+        if a.drain:
+            import chat_drain
+            chat_drain.run(stack, chat_drain.Box.twin(stack), a, toks["aiperf"], qps, a.out / "drain-aiperf",
+                           commands)
     finally:
         stack.stop()
     head = (f"Multi-turn chat through pdctl's proxy, {a.gpus} twin stack ({plan.predicted.get('family')}, policy "
@@ -351,9 +391,16 @@ def main() -> int:
             f"{PROF.message_len}, answers {PROF.answer_len}; pdctl bench: {a.turns} turns (uniform), think "
             f"exponential mean {a.think_s:g} s; aiperf: user-centric {qps:.3f} QPS (gap {a.users / qps:.1f} s), "
             f"turns normal {a.turns_mean:g} +- {a.turns_stddev:g}; guidellm: concurrent {a.users} streams, "
-            f"{round(a.turns_mean)} turns, delay {a.think_s:g} s. Goodput SLOs: TTFT <= {SLO_TTFT_S:g} s, "
+            f"{round(a.turns_mean)} turns, delay {a.think_s:g} s; LMCache multi-round QA: {a.users} users, "
+            f"{round(a.turns_mean)} rounds, {qps:.3f} QPS, later messages its own ~21-token question. "
+            f"Goodput SLOs: TTFT <= {SLO_TTFT_S:g} s, "
             f"TPOT <= {SLO_TPOT_MS:g} ms.")
     text = head + "\n\n" + table(rows) + "\n"
+    text += "".join("\n" + MRQA.printed_line(r) + "\n" for r in rows if "printed" in r)
+    if keys:
+        text += ("\nKeys (lmcache-mrqa sends `Authorization: Bearer EMPTY`): a second proxy on the same engines with "
+                 "one named key answered " + ", ".join(f"{k}: HTTP {v['status']}" for k, v in keys.items()
+                                                       if isinstance(v, dict) and "status" in v) + ".\n")
     print("\n" + text)
     (a.out / "table.md").write_text(text)
     (a.out / "commands.txt").write_text("\n".join(commands))

@@ -206,8 +206,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=2003)
     ap.add_argument("--timeout", type=float, default=600.0, help="per tool run, seconds")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chat_sessions_cpu")
+    ap.add_argument("--drain-at", dest="drain_at", type=float, default=0.0, metavar="S",
+                    help="after the tools: aiperf once more, its warm worker drained S seconds in (chat_drain.py)")
+    ap.add_argument("--drain-after", dest="drain_after", type=int, default=0, metavar="N",
+                    help="drain once the proxy routed N of its turns (default with --drain: warm-up + half the turns)")
+    ap.add_argument("--drain", action="store_true", help="aiperf once more with a drain (--drain-at / --drain-after)")
     a = ap.parse_args()
-    tools = [t for t in a.tools.split(",") if t]
+    tools = [t for t in a.tools.split(",") if t and t != "none"]
     a.turns, a.think_s = f"{PROF.turns_min}-{PROF.turns_max}", PROF.think_s
     a.turns_mean, a.turns_stddev = PROF.turns_min, 0
     CS.PROF = PROF                      # the third-party runners of chat_sessions.py, at the scaled sizes
@@ -224,7 +229,8 @@ def main() -> int:
     soft = next(gen)
     try:
         CS.log(f"stack up in {time.monotonic() - t0:.1f} s: workers {soft.names}, LMCache {soft.stack.kv_http}")
-        with soft.proxy(**THRESHOLDS), httpx.Client(timeout=30.0) as http:
+        token = dirs.mktemp("control") / "proxy-control.token"
+        with soft.proxy(**THRESHOLDS, control_token_file=token), httpx.Client(timeout=30.0) as http:
             target = _Target(soft.proxy_url, soft.model)
             for t in tools:
                 c0 = counters(http, soft)
@@ -251,6 +257,13 @@ def main() -> int:
                 row["engines_raw"] = {"before": c0, "after": c1}
                 rows.append(row)
                 CS.log(f"{t}: {json.dumps(row['engines'])}")
+            if a.drain or a.drain_at or a.drain_after:   # the standalone proxy labels its --both workers by URL
+                import chat_drain
+                CS.ensure_tool("aiperf", False)
+                box = chat_drain.Box({u: u for u in soft.names}, soft.internal_url, token)
+                e2e_s = next((r["mean_e2e_ms"] / 1000 for r in rows if r.get("mean_e2e_ms")), 1.5)
+                chat_drain.run(target, box, a, model, a.users / (PROF.think_s + e2e_s), a.out / "drain-aiperf",
+                               commands)
     finally:
         try:
             next(gen)

@@ -69,6 +69,9 @@ def register(subparsers) -> None:
     p.add_argument("--tls-client-ca-file", type=Path, help="mutual TLS: the CA of the clients' certificates "
                                                            "([proxy] tls_client_ca_file)")
     p.add_argument("--backend-api-key-file", type=Path, help="file holding the engines' --api-key")
+    p.add_argument("--control-token-file", type=Path, help="where the proxy writes its control secret (draining a "
+                                                           "worker, control.py; default with a plan: "
+                                                           f"{C.PROXY_CONTROL_TOKEN}; standalone: none)")
     p.add_argument("--kv-wait-s", type=float, help="bounded wait for LMCache's store-finished event")
     p.add_argument("--telemetry-prefill", action="store_true",
                    help="standalone: the prefillers post LMCache request telemetry to --internal")
@@ -159,6 +162,8 @@ def config_from_args(args, plan=None) -> ProxyConfig:
         raise SystemExit("pdctl proxy: the public status endpoint needs an API key: pass --api-key-file or "
                          "--keys-file (or set [proxy] api_key_file or keys_file), or turn public_status off")
     kw["backend_api_key"] = _read_key(args.backend_api_key_file)
+    if getattr(args, "control_token_file", None) is not None:
+        kw["control_token_file"] = str(Path(args.control_token_file).absolute())
     adm = {}
     if getattr(args, "admission", None):
         adm["mode"] = args.admission

@@ -54,6 +54,11 @@ class Stack:
         return C.loopback_url(self.plan.proxy.port)
 
     @property
+    def control_token_path(self) -> Path:
+        """The proxy's control secret (drain a worker: ``POST C.PROXY_DRAIN_PATH`` on the internal port)."""
+        return self.workdir / "run" / "proxy-control.token"
+
+    @property
     def config_path(self) -> Path:
         return self.workdir / "pdctl.toml"
 
@@ -81,7 +86,8 @@ class Stack:
         p = self.plan.proxy
         self._spawn("proxy", [sys.executable, "-m", "appliance", "proxy", "--config", str(self.config_path),
                               "--listen", f"{C.LOOPBACK}:{p.port}",
-                              "--internal", f"{C.LOOPBACK}:{p.internal_port}"], {})
+                              "--internal", f"{C.LOOPBACK}:{p.internal_port}",
+                              "--control-token-file", str(self.control_token_path)], {})
         self.wait_http(f"{self.proxy_url}/ready", ready_timeout, "proxy /ready")
         return self
 
