@@ -15,7 +15,8 @@ from ..settings.schema import schema_fields
 # same names in ProxyPlan and proxy.config.ProxyConfig (section in pdctl.toml -> keys).
 PROXY_TUNING = {
     "proxy": ("on_prefill_failure", "max_migrations", "migration_deadline_s", "stall_factor", "stall_floor_s",
-              "drain_timeout_s", "watchdog_s", "tls_cert_file", "tls_key_file", "tls_client_ca_file"),
+              "drain_timeout_s", "watchdog_s", "tls_cert_file", "tls_key_file", "tls_client_ca_file",
+              "warm_ttl_s", "session_header"),
     "listener": ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s",
                  "max_connections", "max_connections_per_address", "max_header_bytes", "max_body_bytes"),
 }

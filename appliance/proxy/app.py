@@ -53,8 +53,8 @@ class ProxyServer:
         self.backends = [Backend.from_config(s, cfg) for s in cfg.backends]
         self.prefix = PrefixIndex(cfg.prefix_ttl_s)
         self.chars_per_token = CharsPerToken()
-        self.warm = WarmIndex()               # where each worker's own prefix cache is warm (warm.py)
-        self.sessions = SessionIndex()        # the worker of each session's last turn (sessions.py)
+        self.warm = WarmIndex(cfg.warm_ttl_s)          # where each worker's own prefix cache is warm (warm.py)
+        self.sessions = SessionIndex(cfg.warm_ttl_s)   # the worker of each session's last turn (sessions.py)
         self.policy = make_policy(cfg, self.backends, self.prefix, lambda: self.chars_per_token.value,
                                   self.warm)
         self.legs = Legs(self)

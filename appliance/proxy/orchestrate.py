@@ -92,7 +92,7 @@ async def _serve(s, request, parsed, path: str, api, t0: float, crid):
     echo = crid or rid
     chars = len(parsed.prompt_text)
     tokens = parsed.prompt_tokens_est if parsed.tokens_exact else s.chars_per_token.estimate(chars)
-    key = sessions.session_key(request.headers, parsed.body)
+    key = sessions.session_key(request.headers, parsed.body, s.cfg.session_header)
     if isinstance(key, ProxyError):
         s._count(kind, "client_error")
         return error_response(key, echo)

@@ -15,10 +15,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..settings.schema import default as _d
 from .errors import ProxyError, bad_request
 from .warm import WARM_TTL_S, chunk_prefixes
 
-HEADER = "x-session-id"
 MAX_ID_CHARS = 256           # an id, not a payload: longer is a client's mistake (400)
 
 # what the hint did for a turn (label values; one owner: this module)
@@ -31,12 +31,13 @@ S_SPLIT = "split"            # the decision split the turn (long uncached rest):
 OUTCOMES = (S_NEW, S_EDITED, S_STAYED, S_MOVED_LOAD, S_MOVED_DOWN, S_SPLIT)
 
 
-def session_key(headers, body: dict) -> str | None | ProxyError:
-    """``X-Session-Id`` when sent, else the body's ``user``; None for neither; a 4xx for a malformed one."""
-    sid = headers.get(HEADER)
+def session_key(headers, body: dict, header: str = _d("proxy", "session_header")) -> str | None | ProxyError:
+    """The ``header`` (``[proxy] session_header``, X-Session-Id) when sent, else the body's ``user``; None for
+    neither; a 4xx for a malformed one."""
+    sid = headers.get(header.lower()) if header else None
     if sid is not None:
         if not sid.strip() or len(sid) > MAX_ID_CHARS:
-            return bad_request(f"header X-Session-Id must be 1-{MAX_ID_CHARS} characters, got {len(sid)}; send one "
+            return bad_request(f"header {header} must be 1-{MAX_ID_CHARS} characters, got {len(sid)}; send one "
                                "id per conversation", code="invalid_session_id")
         return "h:" + sid
     user = body.get("user")

@@ -15,9 +15,10 @@ import time
 from collections import OrderedDict
 
 from .. import constants as C
+from ..settings.schema import default as _d
 
 CHUNK_CHARS = C.LMCACHE_CHUNK_TOKENS * 4      # ~ one LMCache chunk of text (about 4 characters per token)
-WARM_TTL_S = 120.0      # how long a served prompt counts as still in its worker's GPU prefix cache (a guess)
+WARM_TTL_S = _d("proxy", "warm_ttl_s")   # how long a served prompt counts as still in its worker's GPU cache
 
 
 def chunk_prefixes(text: str) -> list:

@@ -98,6 +98,9 @@ def _check(path: Path | str, dotted: str, spec: Key, value: Any) -> Any:
         raise _err(path, dotted, f"must be 503, 429 or 529, got {value}")
     if c == "target" and not 0.2 <= value <= 1.0:
         raise _err(path, dotted, f"must be between 0.2 and 1.0 (a share of each SLO), got {value}")
+    if c == "header?" and value and not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}", value):
+        raise _err(path, dotted, f"{value!r} is not an HTTP header name (letters, digits and -_., at most 64; "
+                                 "e.g. X-Session-Id, or '' for none)")
     if c == "prefill_failure" and value not in ("decode", "fail"):
         raise _err(path, dotted, f"must be decode or fail, got {value!r}")
     if c == "reap" and not (value == 0 or value >= 30):

@@ -131,6 +131,14 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "warm_max_extra_load": Key(float, 16.0, "adaptive: ... while that warm worker's load is at most this much "
                                                 "above the least-loaded one's (benchmarks/chat_sessions_twin.py "
                                                 "--sweep-warm)", "nonnegf"),
+        "warm_ttl_s": Key(float, 120.0, "adaptive: how long a prompt a worker served (and a named conversation's "
+                                        "last worker) counts as still in that worker's GPU prefix cache: a "
+                                        "guess; shorter where the cache turns over faster (larger KV per token, "
+                                        "more load)", "posf"),
+        "session_header": Key(str, "X-Session-Id", "the request header that names a conversation (else OpenAI's "
+                                                   "user field): its next turn goes to the worker its last answer "
+                                                   "ended on (e.g. x-user-id for LMCache's multi-round QA "
+                                                   "clients; '' = the user field only)", "header?"),
         "kv_wait_s": Key(float, 2.0, "bounded wait for LMCache's request_store_finished before the decode leg "
                                      "(0 = do not wait)", "nonnegf"),
         "pd_min_prompt_tokens": Key(int, 512, "shorter prompts skip the prefill leg", "nonneg"),

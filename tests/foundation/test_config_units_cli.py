@@ -53,6 +53,9 @@ def test_template_is_in_sync_and_valid(tmp_path):
     ("schema_version = 1\n[plan]\nstructured_outputs_backend = \"jsonformer\"\n", "must be one of"),
     ("schema_version = 1\n[plan]\nresponses_store = \"yes\"\n", "plan.responses_store: expected bool"),
     ("schema_version = 1\n[workload]\npeak_rate = 0\n", "workload.peak_rate: must be > 0"),
+    ("schema_version = 1\n[proxy]\nsession_header = \"X Session\"\n", "proxy.session_header: 'X Session' is not an "
+                                                                   "HTTP header name"),
+    ("schema_version = 1\n[proxy]\nwarm_ttl_s = 0\n", "proxy.warm_ttl_s: must be > 0"),
 ])
 def test_bad_configs_name_file_and_key(tmp_path, body, needle):
     p = write(tmp_path, body)

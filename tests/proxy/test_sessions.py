@@ -34,6 +34,9 @@ def test_session_key_reads_the_header_first_then_user_and_refuses_malformed_ids(
     assert S.session_key({"x-session-id": "c1"}, {"user": "alice"}) == "h:c1"
     assert S.session_key({}, {"user": "alice"}) == "u:alice"
     assert S.session_key({}, {}) is None and S.session_key({}, {"user": ""}) is None
+    # [proxy] session_header: another client's convention (LMCache's multi-round QA sends x-user-id), or none
+    assert S.session_key({"x-user-id": "7", "x-session-id": "c1"}, {}, "x-user-id") == "h:7"
+    assert S.session_key({"x-session-id": "c1"}, {"user": "bob"}, "") == "u:bob"
     for headers, body, where in (({"x-session-id": "x" * 257}, {}, "X-Session-Id"),
                                  ({"x-session-id": "  "}, {}, "X-Session-Id"),
                                  ({}, {"user": 42}, "'user'"), ({}, {"user": "u" * 300}, "'user'")):
@@ -163,3 +166,11 @@ async def test_malformed_session_ids_are_a_400_in_openais_shape(three, proxy_fac
         assert r.status_code == 400 and r.json()["error"]["param"] == "user", r.text
         r = await c.post(px.url + "/v1/chat/completions", json={**body, "user": "bob"})
         assert r.status_code == 200, r.text
+    px = await proxy_factory(_cfg(three, session_header="x-user-id"))      # [proxy] session_header
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(px.url + "/v1/chat/completions", json=body, headers={"x-user-id": "s" * 300})
+        assert r.status_code == 400 and "x-user-id" in r.json()["error"]["message"], r.text
+        r = await c.post(px.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": "s" * 300})
+        assert r.status_code == 200, r.text                               # not this box's session header
+        r = await c.post(px.url + "/v1/chat/completions", json=body, headers={"x-user-id": "u1"})
+        assert r.status_code == 200 and px.server.status()["sessions"]["known"] == 1, r.text
