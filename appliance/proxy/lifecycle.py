@@ -144,6 +144,7 @@ def reload(server, new) -> list[str]:
         changes.append("settings: " + ", ".join(k for k in changed_keys if "key" not in k)
                        + (" (API keys re-read)" if any("key" in k for k in changed_keys) else ""))
     server.backends, server.policy, server.cfg = backends, policy, new
+    server.warm.ttl_s = server.sessions.ttl_s = new.warm_ttl_s     # the indices (and what they hold) are kept
     server.keyring = guard.keyring(new)        # a revoked key fails from the next request on; open streams finish
     if new.admission != old.admission or new.admission_prior != old.admission_prior:
         changes.append(f"admission: mode {new.admission.mode}, target {new.admission.target}, max_queue "

@@ -295,8 +295,9 @@ async def test_reload_in_process_keeps_breakers_pools_and_reports_address_change
     d1.breaker.failure("forced for the test", "request")
     d1.breaker.failure("forced for the test", "request")
     state = d1.breaker.state
+    warm, sessions = s.warm, s.sessions
     new = dataclasses.replace(s.cfg, port=s.cfg.port + 1, policy="round-robin", max_header_bytes=4096,
-                              backends=(s.cfg.backends[0], s.cfg.backends[2],
+                              warm_ttl_s=30.0, backends=(s.cfg.backends[0], s.cfg.backends[2],
                                         BackendSpec(e["d0"].url, "decode", name="decode-9")))
     changes = s.reload(new)
     assert s.backends[1] is d1 and d1.breaker.state == state            # unchanged backend: same object
@@ -304,6 +305,7 @@ async def test_reload_in_process_keeps_breakers_pools_and_reports_address_change
     assert any("listen addresses changed" in c for c in changes) and s.cfg.port == new.port - 1
     assert s._servers[0].limits.max_header_bytes == 4096
     assert s.policy.name == "round-robin"
+    assert s.warm is warm and s.sessions is sessions and warm.ttl_s == sessions.ttl_s == 30.0   # kept, re-timed
     s.reload(dataclasses.replace(s.cfg, backends=s.cfg.backends[:2]))
     assert d0 not in s.backends
     t0 = time.monotonic()                      # retired in the background once its legs in flight end (~0 s here)
