@@ -154,8 +154,10 @@ def test_a_session_moves_off_a_dead_worker_and_loads_its_history_from_the_l1(sof
         assert ext == want, (n3, len(history), ext, want)
         assert want > prompts_only                       # ... so the chunks that hold turn 2's answer came too
         assert c3["lmc_hits"] - c2["lmc_hits"] >= want, (c2, c3)
-        assert comp == n3 - want, (n3, want, comp)        # computed: the new message + the partial chunk
-        assert comp < len(new3) + CHUNK
+        # computed: the new message + the partial chunk, and whatever else B computed meanwhile: the proxy's
+        # readiness canary (a few tokens on each leg, every 5 s) may land on B in this window (ci43: +32 once)
+        assert n3 - want <= comp < n3 - want + CHUNK, (n3, want, comp)
+        assert comp < len(new3) + 2 * CHUNK and comp < len(history) // 2       # the history was not computed again
     real_report["session_move"] = {"turn_prompt_tokens": [len(p1), len(p2), n3],
                                    "answers": [len(a1), len(a2), len(a3)],
                                    "turn3_new_message": len(new3), "b_external_hits": ext, "b_computed": comp,
