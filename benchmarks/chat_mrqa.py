@@ -175,7 +175,7 @@ def _post(url: str, auth: str | None, body: bytes) -> tuple:
 def key_check(stack, a, src: Path, out: Path, commands: list) -> dict:
     """A second proxy in front of the same engines with one named key: what "Bearer EMPTY" (the script's header)
     gets, beside no header and the key; then the script itself against it for a few seconds."""
-    from appliance.stack.localproc import free_port_run
+    from appliance.stack.localproc import free_port_run, stop_all
     work = Path(tempfile.mkdtemp(prefix="mrqa-keys-"))
     key = "sk-pd-" + secrets.token_urlsafe(24)
     keys = work / "keys.toml"
@@ -212,12 +212,7 @@ def key_check(stack, a, src: Path, out: Path, commands: list) -> dict:
         except subprocess.TimeoutExpired as e:
             res["script"] = {"rc": "timed out after 120 s", "stderr_tail": ANSI.sub("", str(e.stderr or ""))[-1500:]}
     finally:
-        pr.terminate()
-        try:
-            pr.wait(10)
-        except subprocess.TimeoutExpired:
-            pr.kill()
-            pr.wait(5)
+        stop_all([pr], grace=10.0)
         log.close()
     res["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return res

@@ -50,6 +50,10 @@ async def generate(s, request: Request, path: str, kind: str):
         s._count(kind, "client_error")
         return error_response(bad_request(f"{mk}={mt} exceeds the model's max_model_len {mml}",
                                           param=mk), crid)
+    key = sessions.session_key(request.headers, parsed.body, s.cfg.session_header)   # a conversation's name
+    if isinstance(key, ProxyError):
+        s._count(kind, "client_error")
+        return error_response(key, crid)
     who = getattr(request, "caller", None)
     prompt = reserve = 0
     if who is not None:       # a named key: its limits, with what this request may use (guard.py)
@@ -70,7 +74,7 @@ async def generate(s, request: Request, path: str, kind: str):
     s.metrics.inflight.inc()
     s.counts["inflight"] += 1
     try:
-        resp = await _serve(s, request, parsed, path, api, t0, crid)
+        resp = await _serve(s, request, parsed, path, api, t0, crid, key)
         if who is not None and resp is not None:      # a whole answer or a refusal (a stream: relay.py)
             resp.headers.update(s.quota.headers(who))
         return resp
@@ -86,16 +90,12 @@ async def generate(s, request: Request, path: str, kind: str):
             used = 0 if request.box_refused else (request.prompt_tokens or prompt) + request.completion_tokens
             s.quota.finish(who, reserve, used)
 
-async def _serve(s, request, parsed, path: str, api, t0: float, crid):
+async def _serve(s, request, parsed, path: str, api, t0: float, crid, key):
     kind = api.kind
     rid = new_request_id()
     echo = crid or rid
     chars = len(parsed.prompt_text)
     tokens = parsed.prompt_tokens_est if parsed.tokens_exact else s.chars_per_token.estimate(chars)
-    key = sessions.session_key(request.headers, parsed.body, s.cfg.session_header)
-    if isinstance(key, ProxyError):
-        s._count(kind, "client_error")
-        return error_response(key, echo)
     seen, hint = s.sessions.hint(key, parsed.prompt_text)
     held = await api.held_by(s, parsed.body, rid)
     rt = s.policy.route(parsed.prompt_text, tokens, hint) if held is None else \

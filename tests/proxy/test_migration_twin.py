@@ -25,23 +25,28 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPT = " ".join(f"w{i:03d}" for i in range(300))
 
 
+def twin_engines(tmp, n: int):
+    """``n`` twin engines (role both, A100, real time) as processes; yields their URLs, stops them after."""
+    procs, urls = [], []
+    try:
+        for i in range(n):
+            port = free_port()
+            log = open(tmp / f"twin-{i}.log", "w")
+            procs.append(subprocess.Popen([sys.executable, "-m", "appliance.twin.cli", "twin", "engine", "--role",
+                                           "both", "--port", str(port), "--hardware", "a100-80gb",
+                                           "--served-model-name", "twin-m", "--time-scale", "1"], cwd=ROOT,
+                                          stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)))
+            urls.append(f"http://127.0.0.1:{port}")
+        for u, p in zip(urls, procs):
+            wait_http(u + "/health", 30, [p])
+        yield urls
+    finally:
+        stop_all(procs)
+
+
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("twins")
-    procs, urls = [], []
-    for i in range(2):
-        port = free_port()
-        log = open(tmp / f"twin-{i}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", "appliance.twin.cli", "twin", "engine", "--role", "both",
-                              "--port", str(port), "--hardware", "a100-80gb", "--served-model-name", "twin-m",
-                              "--time-scale", "1"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                             env=dict(os.environ))
-        procs.append(p)
-        urls.append(f"http://127.0.0.1:{port}")
-    for u, p in zip(urls, procs):
-        wait_http(u + "/health", 30, [p])
-    yield urls
-    stop_all(procs)
+    yield from twin_engines(tmp_path_factory.mktemp("twins"), 2)
 
 
 def fault(url: str, mode: str, arg=None) -> None:

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,14 +16,11 @@ from appliance import constants as C
 from appliance.proxy import sessions as S
 from appliance.proxy.config import BackendSpec
 from appliance.proxy.warm import CHUNK_CHARS
-from appliance.stack.localproc import free_port, stop_all, wait_http
 
 from .conftest import make_cfg
 from .test_drain import acontrol
+from .test_migration_twin import twin_engines
 from .test_warm import FIRST, HITS, PROMPT_TOKENS, SYSTEM, _engine, _warmed_up
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 # ----- the index and the key, alone ------------------------------------------------------------------
 def test_session_key_reads_the_header_first_then_user_and_refuses_malformed_ids():
@@ -70,20 +63,7 @@ def test_a_hint_needs_the_prompt_to_continue_the_last_turn_within_the_ttl():
 # ----- end to end: a proxy in front of three twin engines ----------------------------------------------
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("twins3")
-    procs, urls = [], []
-    for i in range(3):
-        port = free_port()
-        log = open(tmp / f"twin-{i}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "appliance.twin.cli", "twin", "engine", "--role",
-                                       "both", "--port", str(port), "--hardware", "a100-80gb",
-                                       "--served-model-name", "twin-m", "--time-scale", "1"], cwd=ROOT,
-                                      stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)))
-        urls.append(f"http://127.0.0.1:{port}")
-    for u, p in zip(urls, procs):
-        wait_http(u + "/health", 30, [p])
-    yield urls
-    stop_all(procs)
+    yield from twin_engines(tmp_path_factory.mktemp("twins3"), 3)
 
 
 def _cfg(urls, **kw):
