@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from appliance.settings.config import atomic_write  # noqa: E402
 from appliance.stack.twin_stack import Stack, twin_plan  # noqa: E402
 
 
@@ -40,7 +41,8 @@ def run(wd: Path, gpus: str, time_scale: float) -> int:
         st._spawn("proxy", [sys.executable, "-m", "appliance", "proxy", "--config", str(st.config_path),
                             "--listen", f"0.0.0.0:{p.port}", "--internal", f"127.0.0.1:{p.internal_port}"], {})
         st.wait_http(f"http://127.0.0.1:{p.port}/ready", 60, "proxy /ready")
-        (wd / "box.json").write_text(json.dumps({
+        # atomic: the test polls for the file and reads it as soon as it exists (ci46 read it empty once)
+        atomic_write(wd / "box.json", json.dumps({
             "proxy_port": p.port, "internal_port": p.internal_port,
             "pids": [pr.pid for pr in st.procs.values()],
             "workers": [{"instance": w.instance, "role": w.role, "url": w.url()} for w in st.plan.workers]}))
