@@ -16,7 +16,7 @@ def pdctl(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_front_node_status_shows_each_box(tmp_path):
-    st = start_twin_stack("fake:2xH200", "deepseek-v2-lite")
+    st = start_twin_stack("fake:2xH200", "deepseek-v2-lite", workdir=tmp_path)
     try:
         front = tmp_path / "front"
         front.mkdir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -88,6 +89,7 @@ def test_standalone_process_notifies_systemd_serves_and_stops(fresh):
             proc.kill()
             proc.wait(5)
         ns.close()
+        shutil.rmtree(os.path.dirname(sock_path), ignore_errors=True)
 
 
 def test_standalone_requires_a_decoder():

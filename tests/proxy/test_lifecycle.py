@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import weakref
 from pathlib import Path
 
 from appliance.proxy import lifecycle
@@ -45,7 +47,8 @@ class Notify:
     """A $NOTIFY_SOCKET of our own: what the proxy tells systemd."""
 
     def __init__(self):
-        self.path = os.path.join(tempfile.mkdtemp(prefix="pdctl-notify-"), "notify")
+        self.path = os.path.join(tempfile.mkdtemp(prefix="pdctl-notify-"), "notify")   # short: AF_UNIX's 108
+        weakref.finalize(self, shutil.rmtree, os.path.dirname(self.path), True)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
         self.sock.settimeout(0.2)

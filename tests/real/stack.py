@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -240,6 +242,9 @@ class RealStack:
     timings: dict = field(default_factory=dict)      # step -> seconds
     sink: TelemetrySink | None = None                # stands in for the proxy's telemetry endpoint
     held: dict = field(default_factory=dict)         # name -> socket held for a server not started yet (spawn socks)
+    # TMPDIR of every process, removed by stop(): systemd's PrivateTmp=yes; vLLM leaves ZMQ sockets and
+    # vllm_dist_* there (1,500 in /tmp after a day of CI runs before this)
+    private_tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdctl-tmp-")))
 
     # ---- plan accessors -----------------------------------------------------------------------------
     def worker(self, role: str) -> dict:
@@ -261,7 +266,7 @@ class RealStack:
         listening, as fds 3.. with LISTEN_FDS/LISTEN_FDNAMES/LISTEN_PID (the proxy adopts them by name, e.g.
         ``public``/``internal``); this process closes its copies, so the port is the child's alone."""
         base = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ} if inherit_env else {}
-        argv, env = [str(a) for a in argv], {**base, **env}
+        argv, env = [str(a) for a in argv], {**base, "TMPDIR": str(self.private_tmp), **env}
         fds: tuple = ()
         if socks:
             for s in socks.values():
@@ -341,6 +346,7 @@ class RealStack:
             _reap_group(p, t0 + grace_s)
         for sock in self.held.values():
             sock.close()
+        shutil.rmtree(self.private_tmp, ignore_errors=True)
         self.timings["stop_s"] = round(time.monotonic() - t0, 1)
 
     def memory(self) -> dict:
