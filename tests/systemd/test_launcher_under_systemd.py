@@ -65,7 +65,7 @@ SyslogIdentifier=pd-worker@%i
 @pytest.fixture(scope="module")
 def box(systemd_box):
     systemd_box.write(f"{RUN}/plan.json", json.dumps(_plan()))
-    systemd_box.write(f"/etc/systemd/system/pdtest-worker@.service", UNIT_TEXT)
+    systemd_box.write("/etc/systemd/system/pdtest-worker@.service", UNIT_TEXT)
     systemd_box.systemctl("daemon-reload", check=True)
     yield systemd_box
     systemd_box.systemctl("stop", UNIT)
