@@ -215,10 +215,11 @@ class TwinEngine:
 
     # ---- requests --------------------------------------------------------------------------------
     async def submit(self, ids: list[int], max_tokens: int, vllm_rid: str,
-                     arrived: Optional[float] = None, answer_at: Optional[int] = None) -> tuple[Seq, _Live]:
+                     arrived: Optional[float] = None, answer: Optional[tuple] = None) -> tuple[Seq, _Live]:
         """Admit a request that reached the API at loop time ``arrived`` (its own parsing counts toward the
-        setup's API-server cost, which is charged from then). ``answer_at``: a chat request, whose answer starts at
-        that filler token (its blocks are cached when it ends, ``_cache_answer``)."""
+        setup's API-server cost, which is charged from then). ``answer``: a conversation's turn, ((ids, lead text)
+        its next turn repeats before the generated text, the generated text's first filler index); the blocks
+        of that are cached when it ends (``_cache_answer``)."""
         live = _Live(self, len(ids), max_tokens)
         chunks = tokens.chunk_hashes(ids)
         loop = asyncio.get_running_loop()
@@ -241,8 +242,8 @@ class TwinEngine:
         if adm.local:
             seq.share_key, seq.share_tokens = last, adm.local
         seq.chunks = chunks  # type: ignore[attr-defined]
-        if answer_at is not None:
-            seq.chat = (ids, answer_at)  # type: ignore[attr-defined]
+        if answer is not None:
+            seq.chat = answer  # type: ignore[attr-defined]
         live.admitted = time.monotonic()
         self.core.add(seq, adm.defer)
         self._work.set()
@@ -270,14 +271,16 @@ class TwinEngine:
 
     def _cache_answer(self, seq: Seq) -> None:
         """vLLM's prefix cache keeps the full blocks of what a sequence generated, so a conversation's next turn
-        on this engine (its prompt repeats this one and the answer) finds the answer too. A chat answer comes back
-        as an ``assistant: ...`` line of the twin's chat template, which continues this prompt's ids."""
+        on this engine (its prompt repeats this one and the answer) finds the answer too. An answer comes back as
+        an ``assistant: ...`` line of the twin's chat template, after the prompt's ids; a stream moved here
+        mid-answer caches the whole answer, the part the other worker sent included, as vLLM would cache the
+        moved prompt's ids and what it generated (``openai_json._answer_base``)."""
         chat = getattr(seq, "chat", None)
         if chat is None or not self.cost.params.prefix_cache or seq.gen < 1:
             return
-        ids, start = chat
+        (ids, lead), start = chat
         answer = "".join(tokens.filler(start + i) for i in range(seq.gen))
-        full = list(ids) + tokens.tokenize("assistant: " + answer)
+        full = list(ids) + tokens.tokenize(lead + answer)
         b = self.opts.engine.block_size
         self.apc.warm([h for h, n in tokens.chunk_hashes(full, b) if n == b])
 

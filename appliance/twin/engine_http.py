@@ -139,7 +139,7 @@ class EngineSurface:
         xrid = request.headers.get("x-request-id") or secrets.token_hex(8)
         rid = f"{g.prefix}-{xrid}"
         seq, live = await eng.submit(g.ids, g.max_tokens, f"{g.prefix}-{xrid}-0-{secrets.token_hex(4)}", arrived,
-                                     answer_at=g.start if chat else None)
+                                     answer=(g.answer_base, g.start) if g.answer_base else None)
         created = int(time.time())
         cut_after = int(eng.fault.arg) if eng.fault.mode == "die_mid_stream" else None
         try:

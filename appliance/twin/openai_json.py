@@ -43,6 +43,9 @@ class Generate:
     stream: bool
     want_ids: bool                # return_token_ids
     usage_in_stream: bool         # stream_options.include_usage
+    # what a next chat turn repeats before this request's generated text: (ids, text) = the ids up to the
+    # answer and the answer's lead text (the role word, a continued answer's first part); None: not a turn
+    answer_base: Optional[tuple] = None
 
     @property
     def prefix(self) -> str:
@@ -68,6 +71,7 @@ def parse_generate(raw: bytes, chat: bool, max_model_len: int) -> Generate:
         ids = tokens.prompt_ids(body["prompt"])
         tail = body["prompt"] if isinstance(body["prompt"], str) else ""
     start = tokens.answer_start(ids, tail)
+    as_ids = not chat and isinstance(body["prompt"], list) and not any(isinstance(p, str) for p in body["prompt"])
     if not ids:
         raise ValueError("the prompt is empty")
     mt = body.get("max_completion_tokens") if chat else None
@@ -78,7 +82,26 @@ def parse_generate(raw: bytes, chat: bool, max_model_len: int) -> Generate:
     if mt < 1:
         raise ValueError(f"max_tokens must be at least 1, got {mt}")
     return Generate(chat, ids, start, mt, bool(body.get("stream", False)), bool(body.get("return_token_ids")),
-                    bool((body.get("stream_options") or {}).get("include_usage", False)))
+                    bool((body.get("stream_options") or {}).get("include_usage", False)),
+                    _answer_base(chat, as_ids, ids, start, bool(tail)))
+
+
+def _answer_base(chat: bool, as_ids: bool, ids: list, start: int, continued_text: bool) -> Optional[tuple]:
+    """How the twin's chat template renders this request's answer in the conversation's next turn:
+    ``... user: MSG assistant: ANSWER user: ...``. A chat request: its ids, then ``assistant:`` (nothing more where
+    it continues an assistant message it carries as text). A completion given as token ids is read as a chat turn
+    moved mid-stream (``proxy/migrate.py``'s token-id path: the chat prompt's ids, then the ids of the answer sent
+    so far, maybe none; nothing else sends ids to a twin): the prompt before the answer's ids, then ``assistant:``
+    and the part of the answer they stand for, retokenised as the next turn will send it. Text completions: None."""
+    if chat:
+        return (ids, "" if continued_text else "assistant: ")
+    if not as_ids:
+        return None
+    carried = 0
+    while carried < len(ids) - 1 and ids[-1 - carried] >= tokens.VOCAB:
+        carried += 1
+    return (ids[:len(ids) - carried],
+            "assistant: " + "".join(tokens.filler(start - carried + j) for j in range(carried)))
 
 
 def too_long(prompt: int, max_tokens: int, max_model_len: int) -> Optional[str]:

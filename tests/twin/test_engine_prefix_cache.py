@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from appliance.stack.localproc import stop_all, wait_http
 from appliance.stack.twin_stack import twin_plan
@@ -94,4 +95,34 @@ def test_a_conversations_next_turn_finds_its_last_answer_in_the_engines_cache(tm
     v = _with_engine(tmp_path, None, turns)
     hits = v["vllm:prefix_cache_hits_total"] - seen["before"]
     assert seen["turn2"] - seen["turn1"] > 300           # the answer and the new message
+    assert hits >= seen["turn2"] - 64 - 8, (hits, seen)  # all but the last partial block and the new message
+
+
+@pytest.mark.parametrize("sent", [100, 0])     # tokens the first worker streamed before the move
+def test_a_stream_moved_mid_answer_leaves_the_whole_answer_in_the_new_engines_cache(tmp_path, sent):
+    """A stream moved here mid-answer (the proxy's token-id continuation: turn 1's chat prompt ids, then the ids
+    of the answer sent so far, maybe none, as a completion) leaves the conversation's prompt and its whole answer
+    in this engine's cache, as vLLM caches the moved prompt and what it generated: turn 2 on this engine computes
+    only the last partial block and the new message."""
+    from appliance.twin import tokens
+    messages = [{"role": "system", "content": prompt_text(PREFIX, 0, 0)}, {"role": "user", "content": "hello there"}]
+    seen: dict = {}
+
+    def moved(url: str, model: str) -> None:
+        prompt = tokens.chat_ids(messages) + [tokens.filler_id(i) for i in range(sent)]
+        r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 200,
+                                                      "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        answer = "".join(tokens.filler(i) for i in range(sent)) + r.json()["choices"][0]["text"]
+        assert r.json()["choices"][0]["text"].startswith(tokens.filler(sent))     # the answer went on
+        seen["before"] = scrape(url)["values"].get("vllm:prefix_cache_hits_total", 0)
+        turn2 = messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+        seen["turn1"], seen["turn2"] = len(tokens.chat_ids(messages)), len(tokens.chat_ids(turn2))
+        r = httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": turn2, "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+
+    v = _with_engine(tmp_path, None, moved)
+    hits = v["vllm:prefix_cache_hits_total"] - seen["before"]
+    assert seen["turn2"] - seen["turn1"] > 300           # the whole answer and the new message
     assert hits >= seen["turn2"] - 64 - 8, (hits, seen)  # all but the last partial block and the new message
