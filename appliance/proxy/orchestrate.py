@@ -55,6 +55,8 @@ async def generate(s, request: Request, path: str, kind: str):
         s._count(kind, "client_error")
         return error_response(key, crid)
     who = getattr(request, "caller", None)
+    if who is not None and key is not None:   # a key's conversations are its own: another key's ids never steer them
+        key = f"k:{who.name}/{key}"
     prompt = reserve = 0
     if who is not None:       # a named key: its limits, with what this request may use (guard.py)
         prompt = parsed.prompt_tokens_est if parsed.tokens_exact else \

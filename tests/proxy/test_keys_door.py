@@ -282,3 +282,19 @@ async def test_a_keys_tokens_are_the_engines_own_counts_where_the_answer_says_th
     assert usage["prompt_tokens"] != px.server.chars_per_token.estimate(len(prompt)), usage
     got = px.server.quota.snapshot()["app"]["tokens"] - before
     assert got == want, (got, want, usage, whole["usage"])
+
+
+async def test_a_conversation_name_belongs_to_its_key(door):
+    """Two keys name a conversation alike (``X-Session-Id: conv-1``): each key's is its own, so the second key's
+    first turn is a new conversation, not a turn of the first key's (whose worker would be its hint). Without
+    keys a name is the box's (tests/proxy/test_sessions.py)."""
+    px, _, k = door
+    long = "a shared system prompt that runs well past one chunk " * 40      # past warm.CHUNK_CHARS: a digest
+    for who, msg in (("app", "first key's question"), ("slow", "second key's question")):
+        body = {"model": "tiny", "messages": [{"role": "system", "content": long}, {"role": "user", "content": msg}],
+                "max_tokens": 4}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px.url + "/v1/chat/completions", json=body,
+                              headers={"Authorization": f"Bearer {k[who]}", "X-Session-Id": "conv-1"}) as r:
+                assert r.status == 200, await r.read()
+    assert px.server.status()["sessions"] == {"new": 2, "known": 2}, px.server.status()["sessions"]   # 2 kept
