@@ -123,14 +123,14 @@ def spark(values: list) -> str:
 
 
 def soak(seconds: float, rate: float, every: float, gpus: str, warmup_s: float | None = None,
-         window_s: float | None = None, out=print) -> dict:
+         window_s: float | None = None, out=print, workdir: Path | None = None) -> dict:
     import subprocess
     from appliance.stack.twin_stack import start_twin_stack
     # warm-up covers the collector's history (120 ticks at 1 Hz, kept by design for the TUI's sparklines):
     # until those deques are full its memory grows by construction, which is not a leak
     warmup_s = warmup_s if warmup_s is not None else min(150.0, seconds / 4)
     window_s = window_s if window_s is not None else min(60.0, seconds / 6)
-    st = start_twin_stack(gpus)
+    st = start_twin_stack(gpus, workdir=workdir)      # None: a new /tmp/pdctl-stack-* (its logs kept)
     coll = None
     try:
         model = st.plan.served_model_name or st.plan.model

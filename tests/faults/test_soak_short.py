@@ -36,10 +36,10 @@ def test_growth_metric():
     assert soak.growth(step, 15, 15) == 0.0
 
 
-def test_soak_60s_flat_and_error_free():
+def test_soak_60s_flat_and_error_free(tmp_path):
     soak = load_soak()
     lines = []
-    res = soak.soak(60, 4.0, 5.0, "fake:4xH200", warmup_s=15, window_s=15, out=lines.append)
+    res = soak.soak(60, 4.0, 5.0, "fake:4xH200", warmup_s=15, window_s=15, out=lines.append, workdir=tmp_path)
     print("\n".join(lines))
     assert res["requests_failed"] == 0, res["errors"]
     assert res["requests_ok"] >= 200, res
