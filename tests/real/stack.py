@@ -7,6 +7,7 @@ process group (engines spawn EngineCore/Worker children) and is stopped by PGID.
 """
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import random
@@ -33,6 +34,9 @@ DEFAULT_ENGINES_VENV = REPO / ".venv-engines"
 TINY_MODEL_SCRIPT = REPO / "tests" / "fixtures" / "tiny_model.py"
 # What a systemd service would inherit besides its EnvironmentFile; nothing else leaks in from pytest.
 PASSTHROUGH_ENV = ("PATH", "HOME", "LANG", "TMPDIR")
+# torch inductor's compile cache where it always was ($TMPDIR/torchinductor_$USER of pytest's TMPDIR), shared across
+# runs: the processes' private TMPDIR (RealStack.private_tmp) would start it cold at every spawn
+INDUCTOR_CACHE = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")}
 
 
 def engines_venv() -> Path:
@@ -266,7 +270,7 @@ class RealStack:
         listening, as fds 3.. with LISTEN_FDS/LISTEN_FDNAMES/LISTEN_PID (the proxy adopts them by name, e.g.
         ``public``/``internal``); this process closes its copies, so the port is the child's alone."""
         base = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ} if inherit_env else {}
-        argv, env = [str(a) for a in argv], {**base, "TMPDIR": str(self.private_tmp), **env}
+        argv, env = [str(a) for a in argv], {**base, "TMPDIR": str(self.private_tmp), **INDUCTOR_CACHE, **env}
         fds: tuple = ()
         if socks:
             for s in socks.values():
