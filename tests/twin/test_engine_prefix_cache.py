@@ -76,7 +76,6 @@ def test_a_conversations_next_turn_finds_its_last_answer_in_the_engines_cache(tm
     """Issue 32: vLLM caches the full blocks of what it generated, so turn 2 on the same engine (turn 1's prompt,
     the answer that came back, a new message) finds turn 1's prompt and its answer: it computes only the last
     partial block and the new message."""
-    from appliance.twin import tokens
     messages = [{"role": "system", "content": prompt_text(PREFIX, 0, 0)}, {"role": "user", "content": "hello there"}]
     seen: dict = {}
 
@@ -84,17 +83,25 @@ def test_a_conversations_next_turn_finds_its_last_answer_in_the_engines_cache(tm
         r = httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 300,
                                                            "ignore_eos": True}, timeout=60)
         assert r.status_code == 200, r.text
-        answer = r.json()["choices"][0]["message"]["content"]
-        seen["before"] = scrape(url)["values"].get("vllm:prefix_cache_hits_total", 0)
-        turn2 = messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
-        seen["turn1"], seen["turn2"] = len(tokens.chat_ids(messages)), len(tokens.chat_ids(turn2))
-        r = httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": turn2, "max_tokens": 2},
-                       timeout=60)
-        assert r.status_code == 200, r.text
+        _second_turn(url, model, messages, r.json()["choices"][0]["message"]["content"], seen)
 
-    v = _with_engine(tmp_path, None, turns)
+    _assert_second_turn_cached(_with_engine(tmp_path, None, turns), seen)
+
+
+def _second_turn(url: str, model: str, messages: list, answer: str, seen: dict) -> None:
+    """Turn 2 (turn 1's messages, ``answer``, a new message) on this engine; ``seen`` gets the hits before it and
+    both turns' prompt lengths."""
+    from appliance.twin import tokens
+    seen["before"] = scrape(url)["values"].get("vllm:prefix_cache_hits_total", 0)
+    turn2 = messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+    seen["turn1"], seen["turn2"] = len(tokens.chat_ids(messages)), len(tokens.chat_ids(turn2))
+    r = httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": turn2, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def _assert_second_turn_cached(v: dict, seen: dict) -> None:
     hits = v["vllm:prefix_cache_hits_total"] - seen["before"]
-    assert seen["turn2"] - seen["turn1"] > 300           # the answer and the new message
+    assert seen["turn2"] - seen["turn1"] > 300           # the whole answer and the new message
     assert hits >= seen["turn2"] - 64 - 8, (hits, seen)  # all but the last partial block and the new message
 
 
@@ -113,16 +120,8 @@ def test_a_stream_moved_mid_answer_leaves_the_whole_answer_in_the_new_engines_ca
         r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 200,
                                                       "ignore_eos": True}, timeout=60)
         assert r.status_code == 200, r.text
-        answer = "".join(tokens.filler(i) for i in range(sent)) + r.json()["choices"][0]["text"]
         assert r.json()["choices"][0]["text"].startswith(tokens.filler(sent))     # the answer went on
-        seen["before"] = scrape(url)["values"].get("vllm:prefix_cache_hits_total", 0)
-        turn2 = messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
-        seen["turn1"], seen["turn2"] = len(tokens.chat_ids(messages)), len(tokens.chat_ids(turn2))
-        r = httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": turn2, "max_tokens": 2},
-                       timeout=60)
-        assert r.status_code == 200, r.text
+        answer = "".join(tokens.filler(i) for i in range(sent)) + r.json()["choices"][0]["text"]
+        _second_turn(url, model, messages, answer, seen)
 
-    v = _with_engine(tmp_path, None, moved)
-    hits = v["vllm:prefix_cache_hits_total"] - seen["before"]
-    assert seen["turn2"] - seen["turn1"] > 300           # the whole answer and the new message
-    assert hits >= seen["turn2"] - 64 - 8, (hits, seen)  # all but the last partial block and the new message
+    _assert_second_turn_cached(_with_engine(tmp_path, None, moved), seen)
