@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from appliance import constants as C
+
 from .common import REPO, VENV_PY, curl, plan, wait_until
 
 pytestmark = [pytest.mark.systemd]
@@ -112,6 +114,25 @@ def test_units_and_processes_run_as_pdctl(installed):
     r = installed.run(["ps", "-o", "pid=,user=", "-p", ",".join(map(str, pids))], check=True)
     users = {int(a): b for a, b in (ln.split() for ln in r.stdout.splitlines())}
     assert set(users) == set(pids) and set(users.values()) == {"pdctl"}, users
+
+
+def test_every_engine_keeps_its_compile_caches_in_the_units_cache_directory(installed):
+    """A worker's engine caches what it compiles (vLLM's artifacts, torch inductor's and Triton's kernels) under the
+    unit's CacheDirectory, which outlives a restart; torch's default is $TMPDIR, the unit's private /tmp, which
+    every restart (a rollout, a crash) empties, so the next start would compile again."""
+    workers = {p: u for p, u in pd_pids(installed).items() if u.startswith("pd-worker@")}
+    units = {f"pd-worker@{w['instance']}.service" for w in plan(installed)["workers"]}
+    assert workers and set(workers.values()) == units, (workers, units)
+    read = set()
+    for pid, unit in workers.items():
+        r = installed.run(["cat", f"/proc/{pid}/environ"])
+        if r.returncode != 0:
+            continue              # a short-lived helper process gone meanwhile
+        read.add(unit)
+        env = dict(kv.split("=", 1) for kv in r.stdout.split("\0") if "=" in kv)
+        for k in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
+            assert env.get(k, "").startswith(f"{C.CACHE_DIR}/"), (unit, pid, k, env.get(k))
+    assert read == set(workers.values()), (read, workers)     # every worker's processes, the engine among them
 
 
 def test_systemd_analyze_security_every_unit(installed):
